@@ -17,7 +17,7 @@ import torch
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.data import DatasetSplits, feed_for_graph, rows, take, tensors
 from kiln.core.errors import ConfigError
-from kiln.core.feeds import in_batches
+from kiln.core.feeds import in_batches, rows_per_call
 from kiln.core.labels import is_label_name
 from kiln.core.records import TensorSpec
 from kiln.core.user_errors import running_user_code, user_frame
@@ -282,17 +282,6 @@ def calibration_batches(
     else:
         batches = dataset_batches(data, cfg, seed, names)
     return split_batches(batches, *limit) if limit is not None else batches
-
-
-def rows_per_call(inputs: list[TensorSpec], outputs: list[TensorSpec]) -> int | None:
-    """The rows one call of a graph answers where it is fewer than it may be fed: every input's batch axis is
-    symbolic, yet every output fixes its axis 0 at one number (a graph network in the batch-of-one layout, exported
-    with a batch axis, reads ``x[0]`` only and returns ``[1, nodes, C]``). Rows past those are fed and never read.
-    None: the graph answers every row it is fed."""
-    if not inputs or not outputs or any(not s.shape or not isinstance(s.shape[0], str) for s in inputs):
-        return None
-    first = {o.shape[0] if o.shape and isinstance(o.shape[0], int) and o.shape[0] >= 1 else None for o in outputs}
-    return first.pop() if len(first) == 1 else None
 
 
 def batch_limit(

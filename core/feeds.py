@@ -143,6 +143,17 @@ def fixed_batch(specs: list[TensorSpec]) -> int | None:
     return first.pop() if len(first) == 1 else None
 
 
+def rows_per_call(inputs: list[TensorSpec], outputs: list[TensorSpec]) -> int | None:
+    """The rows one call of a graph answers where it is fewer than it may be fed: every input's batch axis is
+    symbolic, yet every output fixes its axis 0 at one number (a graph network in the batch-of-one layout, exported
+    with a batch axis, reads ``x[0]`` only and returns ``[1, nodes, C]``). Rows past those are fed and never read.
+    None: the graph answers every row it is fed."""
+    if not inputs or not outputs or any(not s.shape or not isinstance(s.shape[0], str) for s in inputs):
+        return None
+    first = {o.shape[0] if o.shape and isinstance(o.shape[0], int) and o.shape[0] >= 1 else None for o in outputs}
+    return first.pop() if len(first) == 1 else None
+
+
 def whole_batches(feed: Arrays, specs: list[TensorSpec], source: str, taker: str) -> Arrays:
     """``feed`` cut to a whole number of the batches a graph fixes (:func:`fixed_batch`), the rows past the last
     whole batch dropped with a warning saying how many (padding them would run made-up rows through the model);

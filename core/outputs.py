@@ -24,7 +24,7 @@ from torch import nn
 from kiln.core.data import call, rebuild, tensors
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.labels import floating
-from kiln.core.text import FEATURE_NAME_PATTERN
+from kiln.core.text import FEATURE_NAMES
 
 SINGLE_OUTPUT = "logits"
 
@@ -76,12 +76,6 @@ def _leaves(value: Any, path: str, ref: str, left_out: list[str]) -> list[tuple[
             )
             raise ModelError(f"{ref} returns output '{name}' as {kind}, not a tensor", hint=hint)
     return leaves
-
-
-# Output names that say "features, not class scores" (Hugging Face's ModelOutput keys: last_hidden_state,
-# pooler_output, image_embeds, ...): the argmax of a hidden vector is no class, and its top-1 agreement would fail
-# INT8 and FP16 engines that agree with the model everywhere that matters (cosine, error).
-FEATURE_NAMES = FEATURE_NAME_PATTERN  # re-exported: the stages import it from here
 
 
 def logits_name(names: Sequence[str], setting: str | int | None) -> str | None:

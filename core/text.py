@@ -47,6 +47,8 @@ def fmt(value: Any, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-# Output names that say they hold features (an embedding, a hidden state), not class logits: torch-free, so that
-# report.md is written in a run that loads no torch.
-FEATURE_NAME_PATTERN = re.compile(r"hidden_state|embed|pooler|feature", re.IGNORECASE)
+# Output names that say "features, not class scores" (Hugging Face's ModelOutput keys: last_hidden_state,
+# pooler_output, image_embeds, ...): the argmax of a hidden vector is no class, and its top-1 agreement would fail
+# INT8 and FP16 engines that agree with the model everywhere that matters (cosine, error). Here, torch-free, so
+# that report.md is written in a run that loads no torch.
+FEATURE_NAMES = re.compile(r"hidden_state|embed|pooler|feature", re.IGNORECASE)

@@ -9,16 +9,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.calibration.data import rows_per_call
 from kiln.core.errors import InputError, InputFileError, KilnError
-from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, run_batched
+from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, rows_per_call, run_batched
 from kiln.core.inputs import check_batch_axis, random_inputs, recorded_sizes
 from kiln.core.labels import padding_ties, without_padding
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
-from kiln.core.outputs import FEATURE_NAMES, SINGLE_OUTPUT, host_arrays, logits_name, named_outputs
+from kiln.core.outputs import SINGLE_OUTPUT, host_arrays, logits_name, named_outputs
 from kiln.core.records import EngineMetadata, EngineValidation, steps_text, takes_size
 from kiln.core.shapes import graph_axes
-from kiln.core.text import short_reason
+from kiln.core.text import FEATURE_NAMES, short_reason
 from kiln.core.user_errors import out_of_memory, running_user_code
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
@@ -106,7 +105,7 @@ def reference_outputs(
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: ValidateSettings) -> EngineValidation:
     """``engine_dir`` against ``reference`` on every row of ``inputs`` (else random ones); an engine that fixes its
     batch axis, or whose outputs answer fewer rows a call than it may be fed (a batch-of-one graph network's
-    ``[1, nodes, C]``: :func:`~kiln.calibration.data.rows_per_call`), runs them one batch of that size at a time,
+    ``[1, nodes, C]``: :func:`~kiln.core.feeds.rows_per_call`), runs them one batch of that size at a time,
     the reference too, so every row is compared, and its latency is that batch's. Its headline values are over the
     outputs its gates hold (``validate.gates.gated_outputs``), as the stage's are."""
     meta = read_metadata(engine_dir)

@@ -12,7 +12,7 @@ from typing import Any
 from kiln.core.compare import AGREEMENT_NAMES
 from kiln.core.errors import KilnError
 from kiln.core.records import EngineValidation, Memory, ValidationResult
-from kiln.core.text import FEATURE_NAME_PATTERN, fmt
+from kiln.core.text import FEATURE_NAMES, fmt
 from kiln.core.timing import ratio_interval
 from kiln.stages.accuracy.metrics import BUILTINS, DEFAULT, RELATIVE, Metric, resolve_metric
 from kiln.stages.validate.measured import NO_FINITE_FIX, unmeasured
@@ -490,7 +490,7 @@ def _compared(v: ValidationResult) -> list[str]:
 def _without_class_logits(b: Any) -> str:
     """What was measured where no output is the class logits: why none is (:func:`_no_class_logits`), and why there
     is no task accuracy (``accuracy_note``: no labels, float targets), each said where it is another reason."""
-    if len(b.compared) == 1 and FEATURE_NAME_PATTERN.search(b.compared[0]) and b.metric_name not in RELATIVE:
+    if len(b.compared) == 1 and FEATURE_NAMES.search(b.compared[0]) and b.metric_name not in RELATIVE:
         return (  # one reason, not the default's rule for class logits beside the features' note
             f"no class-logit output: '{b.compared[0]}' is named as features (an embedding), held to cosine (the "
             "whole output's and its worst sample's), max abs error and relative error; no top-1 agreement or task "

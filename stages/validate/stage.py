@@ -32,7 +32,7 @@ from kiln.core.data import (
 from kiln.core.inputs import check_batch_fits
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
-from kiln.core.outputs import FEATURE_NAMES, SINGLE_OUTPUT, class_logits, host_arrays, logits_name, named_outputs
+from kiln.core.outputs import SINGLE_OUTPUT, class_logits, host_arrays, logits_name, named_outputs
 from kiln.core.records import (
     NONE_VALIDATED,
     Baseline,
@@ -45,6 +45,7 @@ from kiln.core.records import (
 )
 from kiln.core.shapes import Axes, graph_axes
 from kiln.core.stage import StageContext
+from kiln.core.text import FEATURE_NAMES
 from kiln.core.timing import BUSY_SPREAD, Timer, interleave, ratio_interval, time_calls, warm_up
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.accuracy.check import (

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from kiln.calibration.config import CalibrationConfig
-from kiln.calibration.data import batch_limit, calibration_batches, rows_per_call
+from kiln.calibration.data import batch_limit, calibration_batches
 from kiln.core.data import DatasetSplits
+from kiln.core.feeds import rows_per_call
 from kiln.core.onnx_io import io_specs, load_onnx
 from tests.calibration.calib_graphs import conv_model
 from tests.calibration.gnn_graph import gcn_onnx, graphs
