@@ -65,7 +65,7 @@ from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig, OrtAutotun
 from kiln.stages.engines.registry import load_engine  # noqa: E402
 from kiln.stages.engines.stage import build_engine  # noqa: E402
 from kiln.stages.engines.torch.config import TorchConfig  # noqa: E402
-from kiln.stages.export.stage import export_onnx  # noqa: E402
+from kiln.stages.export.torch_export import export_onnx  # noqa: E402
 from kiln.stages.optimize.api import optimize_model  # noqa: E402
 from kiln.stages.optimize.config import OptimizeConfig  # noqa: E402
 from kiln.stages.validate.baselines import prepare as prepare_baseline  # noqa: E402

@@ -36,7 +36,7 @@ from precision_bench import interleaved_latency, optimized, session  # noqa: E40
 
 from kiln.core.cpu_int8 import ask_exact_int8  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
-from kiln.stages.export.stage import export_onnx  # noqa: E402
+from kiln.stages.export.torch_export import export_onnx  # noqa: E402
 
 ROWS, THREADS = 64, 2  # batch 8 x 8 tokens
 

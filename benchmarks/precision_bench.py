@@ -37,7 +37,7 @@ from kiln.calibration.config import CalibrationConfig  # noqa: E402
 from kiln.calibration.quantize import quantizable_op_types  # noqa: E402
 from kiln.core.cpu_int8 import ask_exact_int8, int8_kernels  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
-from kiln.stages.export.stage import export_onnx  # noqa: E402
+from kiln.stages.export.torch_export import export_onnx  # noqa: E402
 from kiln.stages.precision.compare import output_metrics  # noqa: E402
 from kiln.stages.precision.config import FallbackConfig, FP16Config  # noqa: E402
 from kiln.stages.precision.fp16 import convert_fp16  # noqa: E402

@@ -38,7 +38,7 @@ from kiln.stages.engines.registry import load_engine  # noqa: E402
 from kiln.stages.engines.stage import build_engine  # noqa: E402
 from kiln.stages.engines.torch.config import TorchConfig  # noqa: E402
 from kiln.stages.engines.torch.program import GraphReplays, _signature  # noqa: E402
-from kiln.stages.export.stage import export_onnx  # noqa: E402
+from kiln.stages.export.torch_export import export_onnx  # noqa: E402
 
 MODES = ("engine", "copy_", "foreach", "no_copy")
 

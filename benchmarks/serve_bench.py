@@ -73,7 +73,7 @@ def resnet18_fp16_engine(work: Path, max_batch: int) -> Path:
     from kiln.models.registry import build_model
     from kiln.stages.engines.config import BuildConfig
     from kiln.stages.engines.stage import build_engine
-    from kiln.stages.export.stage import export_onnx
+    from kiln.stages.export.torch_export import export_onnx
 
     onnx32 = work / "resnet18.onnx"
     export_onnx(build_model("resnet18", {}).eval(), torch.randn(2, 3, 224, 224), onnx32)
@@ -100,7 +100,7 @@ def resnet18_torch_engine(work: Path, max_batch: int) -> Path:
     from kiln.stages.engines.config import BuildConfig
     from kiln.stages.engines.stage import build_engine
     from kiln.stages.engines.torch.config import TorchConfig
-    from kiln.stages.export.stage import export_onnx
+    from kiln.stages.export.torch_export import export_onnx
 
     def model() -> torch.nn.Module:
         torch.manual_seed(0)

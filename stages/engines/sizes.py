@@ -33,7 +33,7 @@ def checked_ranges(
     graphs: list[Path], sizes: dict[str, list[int]], from_variant: bool = False
 ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """The range ``[smallest, largest]`` of ``sizes`` for each dynamic axis besides batch of the graph, and the
-    steps (``[period, *residues]``, as :func:`kiln.stages.export.stage.size_pattern` gives them) it takes between
+    steps (``[period, *residues]``, as :func:`kiln.stages.export.size_steps.size_pattern` gives them) it takes between
     them, found by running the first of ``graphs`` ONNX Runtime opens on the CPU: what ``kiln build FILE`` records,
     so that an engine refuses a size its graph cannot take with Kiln's error instead of the backend's. An axis is
     moved alone, else with the axes that must agree with it (:meth:`SizeProbe.partners`); an end that fails however
@@ -271,7 +271,7 @@ class _OutOfRuns(Exception):
 
 def size_steps(runs: Callable[[int], bool], low: int, high: int, name: str) -> list[int] | None:
     """``[period, *residues]`` of the sizes from ``low`` to ``high`` that ``runs`` (both ends run), or None where it
-    runs at every size tried, as :func:`kiln.stages.export.stage.size_pattern` finds them (its draw of sizes first,
+    runs at every size tried, as :func:`kiln.stages.export.size_steps.size_pattern` finds them (its draw of sizes first,
     the same answer where every size runs), for at most :data:`STEP_RUNS` runs: a period of a power of two at
     ``low`` is tried first (a few sizes each, the cheap common case of pooling), then sizes one by one from
     ``low`` until one period repeats twice. Past the budget, no steps, with a warning: a graph run costs seconds at

@@ -35,7 +35,7 @@ def _inputs() -> dict[str, torch.Tensor]:
 @pytest.mark.slow  # an export of the encoder (its dynamo attempt, then TorchScript)
 def test_padded_positions_are_computed_as_an_exported_graph_computes_them(tmp_path: Path) -> None:
     from kiln.core.onnx_io import ort_run, ort_session
-    from kiln.stages.export.stage import export_onnx
+    from kiln.stages.export.torch_export import export_onnx
 
     torch.manual_seed(0)
     model, x = _Tagger().eval(), _inputs()

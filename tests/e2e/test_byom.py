@@ -552,7 +552,7 @@ def exported(tmp_path_factory) -> tuple[Path, Path]:
     from kiln.core.data import take
     from kiln.models.datasets import synthetic_text
     from kiln.models.registry import build_model
-    from kiln.stages.export.stage import export_onnx
+    from kiln.stages.export.torch_export import export_onnx
     from kiln.stages.train.config import TrainConfig
     from kiln.stages.train.loop import train
     from kiln.stages.train.task import Task

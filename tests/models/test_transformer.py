@@ -1,7 +1,7 @@
 import torch
 
 from kiln.models.transformer import TransformerClassifier, explicit_attention
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 
 
 def test_fused_attention_is_the_exported_function_forward_and_backward() -> None:

@@ -20,7 +20,7 @@ from kiln.serve.server import ServedEngine
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.stage import build_direct
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 
 # model -> the data functions whose validation inputs fit it
 MODELS = {

@@ -16,7 +16,7 @@ import torch
 
 from kiln.core.records import EngineMetadata
 from kiln.models.registry import build_model
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 
 # Per model: factory params small enough for fast CPU builds, and one sample's shape / dtype.
 ZOO: dict[str, tuple[dict, tuple[int, ...], str]] = {

@@ -16,7 +16,7 @@ from kiln.core.records import PrecisionVariant, Variants
 from kiln.pipeline.config import config_from_dict
 from kiln.stages.engines import stage
 from kiln.stages.engines.backend import read_metadata
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.stage import variant_record
 from kiln.stages.precision.variants import Source, build_fp16

@@ -15,7 +15,8 @@ from torch import nn
 
 from kiln.cli import main
 from kiln.core.data import DatasetSplits
-from kiln.stages.export.stage import batch_parity, export_onnx, parity
+from kiln.stages.export.parity import batch_parity, parity
+from kiln.stages.export.torch_export import export_onnx
 from tests.core.test_ownership import one_error
 
 HERE = "tests.stages.export.test_batch_fixed"

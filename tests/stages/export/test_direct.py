@@ -14,7 +14,10 @@ from kiln.core.errors import ConfigError, ModelError
 from kiln.pipeline.config import load_config
 from kiln.pipeline.runner import settings_for
 from kiln.pipeline.stage_list import stage_named
-from kiln.stages.export.stage import export_direct, parse_input_shapes
+from kiln.stages.export.input_specs import parse_input_shapes
+
+# (model, --input-shape values that fit it, its forward's inputs)
+from kiln.stages.export.stage import export_direct
 
 # (model, --input-shape values that fit it, its forward's inputs)
 MULTI_INPUT = [
@@ -184,7 +187,7 @@ def causal() -> torch.nn.Module:
 def test_an_attention_mask_from_input_shapes_is_a_valid_one(tmp_path: Path) -> None:
     """--input-shape gives an input named like an attention mask rows of ones then zeros, the first token always
     kept (random 0/1 masked some rows' first token, and parity failed on a good graph); other integers stay 0/1."""
-    from kiln.stages.export.stage import example_inputs
+    from kiln.stages.export.input_specs import example_inputs
 
     shapes = ("input_ids=6:int64", "attention_mask=6:int64", "decoder_attention_mask=6:bool")
     x = example_inputs(parse_input_shapes(shapes), 8)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kiln.core.errors import ModelError
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 
 
 class FailsWhenExported(nn.Module):
@@ -36,13 +36,13 @@ def test_a_ctrl_c_that_comes_out_of_the_exporter_as_another_error_stops_the_expo
     """Ctrl-C landing in the exporter's imports came out as an AttributeError: the export fell back to the
     TorchScript exporter and the command ended 0. The handler saw it, so the export stops."""
     from kiln.core import interrupt
-    from kiln.stages.export import stage
+    from kiln.stages.export import torch_export
 
     def interrupted(*args: object, **kwargs: object) -> None:
         interrupt._seen.set()  # as the SIGINT handler records it
         raise AttributeError("module 'torch._dynamo' has no attribute 'exc'")
 
-    monkeypatch.setattr(stage, "_export", interrupted)
+    monkeypatch.setattr(torch_export, "_export", interrupted)
     try:
         with pytest.raises(KeyboardInterrupt):
             export_onnx(nn.Linear(4, 2).eval(), torch.zeros(2, 4), tmp_path / "m.onnx")

@@ -15,7 +15,7 @@ from torch import nn
 
 from kiln.core.errors import ConfigError
 from kiln.stages.export.graph_inputs import is_label_name, unread_inputs, unused_inputs
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 
 
 class Classifier(nn.Module):

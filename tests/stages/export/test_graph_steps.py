@@ -172,7 +172,7 @@ def test_with_a_second_dynamic_axis_only_the_branched_one_records_steps(tmp_path
 def test_without_a_line_of_the_users_the_warning_names_no_made_up_one(caplog: pytest.LogCaptureFixture) -> None:
     """The branch may lie in a library's module (a patch embedding in site-packages): no line is quoted as if it were
     the user's, and the fix that needs no code edit, sizes on one side of the branch, is offered too."""
-    from kiln.stages.export.stage import _warn_graph_steps
+    from kiln.stages.export.size_steps import _warn_graph_steps
 
     with caplog.at_level(logging.WARNING, logger="kiln.export"):
         _warn_graph_steps("seq", [4, 0], (8, 16), {9: "max abs error 0.5"}, "")

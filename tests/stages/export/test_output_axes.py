@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kiln.stages.export.output_axes import name_output_axes, resized
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 
 
 class Steps(nn.Module):

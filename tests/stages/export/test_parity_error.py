@@ -15,7 +15,9 @@ from kiln.core.errors import ModelError
 from kiln.pipeline.config import load_config
 from kiln.pipeline.runner import settings_for
 from kiln.pipeline.stage_list import stage_named
-from kiln.stages.export.stage import export_direct, parity_error, refuse_random
+from kiln.stages.export.model_checks import refuse_random
+from kiln.stages.export.parity import parity_error
+from kiln.stages.export.stage import export_direct
 
 
 class _MeanPool(torch.nn.Module):
@@ -61,7 +63,8 @@ class _TwoScales(torch.nn.Module):
 def _parity_against(tmp_path: Path, big: float, small: float) -> dict:
     """The parity check of an exported ``_TwoScales`` against the same model with its outputs' biases moved by
     ``big`` and ``small``: the graph then differs from PyTorch by those errors, whatever the machine."""
-    from kiln.stages.export.stage import export_onnx, parity
+    from kiln.stages.export.parity import parity
+    from kiln.stages.export.torch_export import export_onnx
 
     torch.manual_seed(0)
     model, x = _TwoScales().eval(), torch.rand(8, 4)
@@ -76,7 +79,7 @@ def test_rounding_a_large_output_is_held_to_its_own_scale(tmp_path: Path) -> Non
     """An error of 5e-7 of an output of 1.47e3 is float32 rounding. Before: export.parity_atol 1e-4 alone refused
     it, and raising it to 1e-3 let an error of 10% through on an output of 0.01."""
     from kiln.stages.export.config import ExportConfig
-    from kiln.stages.export.stage import require_parity
+    from kiln.stages.export.parity import require_parity
 
     cfg = ExportConfig()
     check = _parity_against(tmp_path, 7e-4, 0.0)
@@ -87,7 +90,7 @@ def test_rounding_a_large_output_is_held_to_its_own_scale(tmp_path: Path) -> Non
 def test_an_error_past_a_small_outputs_scale_fails_beside_a_large_one(tmp_path: Path) -> None:
     """Each output is held to the value its error is on: a 10% error on the small one is no rounding of the large."""
     from kiln.stages.export.config import ExportConfig
-    from kiln.stages.export.stage import require_parity
+    from kiln.stages.export.parity import require_parity
 
     cfg = ExportConfig()
     check = _parity_against(tmp_path, 7e-4, 1e-3)
@@ -163,7 +166,7 @@ def test_a_lone_large_value_widens_no_other_values_tolerance() -> None:
     """A masked position filled with -1e9 once (one sample's) is no mask by count: as an output's largest value it
     gave every other value a tolerance of 1e-5 x 1e9, and a bias off by 0.5 passed."""
     from kiln.stages.export.config import ExportConfig
-    from kiln.stages.export.stage import _scale_at_worst, require_parity
+    from kiln.stages.export.parity import _scale_at_worst, require_parity
 
     ref = np.array([[0.3, -1e9, 0.8], [0.1, 0.4, -0.2]], np.float32)
     got = ref + np.array([[0.5, 0.0, 0.5], [0.5, 0.5, 0.5]], np.float32)
@@ -180,7 +183,7 @@ def test_a_lone_large_value_widens_no_other_values_tolerance() -> None:
 
 
 def test_an_op_of_a_later_opset_gets_that_opset_as_the_fix() -> None:
-    from kiln.stages.export.stage import _export_failed_hint
+    from kiln.stages.export.torch_export import _export_failed_hint
 
     said = [
         "dynamo exporter: it fixed input 'input' axis 2 (h)",

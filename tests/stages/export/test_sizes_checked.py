@@ -18,7 +18,8 @@ from kiln.core.data import DatasetSplits
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import ort_session
 from kiln.stages.export.declaration import MAX_PERIOD
-from kiln.stages.export.stage import check_validated_sizes, export_onnx
+from kiln.stages.export.sizes import check_validated_sizes
+from kiln.stages.export.torch_export import export_onnx
 from tests.core.test_ownership import one_error
 
 HERE = "tests.stages.export.test_sizes_checked"

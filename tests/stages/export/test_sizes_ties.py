@@ -17,7 +17,8 @@ from kiln.cli import main
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import ort_session
-from kiln.stages.export.stage import check_validated_sizes, export_with_fallback
+from kiln.stages.export.sizes import check_validated_sizes
+from kiln.stages.export.torch_export import export_with_fallback
 from tests.core.test_ownership import one_error
 
 HERE = "tests.stages.export.test_sizes_ties"

@@ -8,7 +8,8 @@ from torch.nn import functional as F
 
 from kiln.core.errors import ModelError
 from kiln.models.registry import build_model
-from kiln.stages.export.stage import export_onnx, parity
+from kiln.stages.export.parity import parity
+from kiln.stages.export.torch_export import export_onnx
 
 
 @pytest.mark.parametrize(
@@ -149,7 +150,7 @@ class MeanOverLength(nn.Module):
 def _sizes_checked(tmp_path: Path, model: nn.Module) -> None:
     from kiln.core.data import DatasetSplits
     from kiln.core.onnx_io import ort_session
-    from kiln.stages.export.stage import check_validated_sizes
+    from kiln.stages.export.sizes import check_validated_sizes
 
     x = torch.randn(12, 16, 4)
     data, axes = DatasetSplits(x[:8], None, x[8:], None), {"input": {1: "seq"}}
@@ -186,7 +187,7 @@ class Forecaster(nn.Module):
 def test_an_input_left_out_of_a_varied_axis_it_follows_is_named_in_the_fix(tmp_path: Path) -> None:
     from kiln.core.data import DatasetSplits
     from kiln.core.onnx_io import ort_session
-    from kiln.stages.export.stage import check_validated_sizes
+    from kiln.stages.export.sizes import check_validated_sizes
 
     x = {"past": torch.randn(12, 16, 4), "calendar": torch.randint(0, 7, (12, 16))}
     take = lambda rows: {k: v[rows] for k, v in x.items()}  # noqa: E731
@@ -281,7 +282,7 @@ class _TinyUNet(nn.Module):
 def test_the_sizes_a_unet_takes_are_found_in_steps() -> None:
     """Heights and widths of 8 to 16, of which the U-Net takes the even ones: [step 2, offset 0] each."""
     from kiln.core.data import DatasetSplits
-    from kiln.stages.export.stage import size_steps
+    from kiln.stages.export.size_steps import size_steps
 
     x = torch.rand(4, 1, 16, 16)
     data = DatasetSplits(x, None, x, None)
@@ -312,7 +313,7 @@ def test_sizes_that_run_in_runs_are_recorded_as_remainders_of_their_period() -> 
     Before: the first size after 32 that ran (45) was taken as a step of 13, which refused 64, the data's own."""
     from kiln.core.data import DatasetSplits
     from kiln.core.records import takes_size
-    from kiln.stages.export.stage import size_steps
+    from kiln.stages.export.size_steps import size_steps
 
     x = torch.rand(2, 1, 64, 64)
     model = _RoundingFPN().eval()
@@ -329,7 +330,7 @@ def test_sizes_that_run_in_runs_are_recorded_as_remainders_of_their_period() -> 
 
 def test_a_range_with_no_period_is_recorded_size_by_size_and_a_model_that_runs_everywhere_not_at_all() -> None:
     from kiln.core.records import takes_size
-    from kiln.stages.export.stage import size_pattern
+    from kiln.stages.export.size_steps import size_pattern
 
     odd = {10, 11, 13, 17, 18}  # no period fits: the range, probed whole, is its own period
     pattern = size_pattern(lambda size: size in odd, 10, 18)
@@ -358,7 +359,7 @@ def test_a_none_output_is_left_out_of_the_export_and_the_reference(
 ) -> None:
     """Before: 'returns output 'output_1' as NoneType, not a tensor'. The None is left out (said in one info line),
     the logits keep their name, and the graph and PyTorch's outputs pair up at another batch."""
-    from kiln.stages.export.stage import batch_parity
+    from kiln.stages.export.parity import batch_parity
 
     model, x = NoLoss().eval(), torch.randn(8, 4)
     with caplog.at_level("INFO", logger="kiln.export"):
@@ -373,7 +374,7 @@ def test_a_none_output_is_left_out_of_the_export_and_the_reference(
 
 def test_an_output_that_is_none_on_some_calls_only_is_a_model_error(tmp_path: Path) -> None:
     """None at the export's example (batch 2) and a tensor at batch 8: the graph cannot have it both ways."""
-    from kiln.stages.export.stage import batch_parity
+    from kiln.stages.export.parity import batch_parity
 
     model, x = NoLoss(aux_from=4).eval(), torch.randn(8, 4)
     export_onnx(model, x[:2], tmp_path / "m.onnx")
@@ -396,7 +397,7 @@ class PerImage(nn.Module):
 def test_a_list_of_outputs_whose_length_follows_the_batch_is_named_as_such(tmp_path: Path) -> None:
     """The graph traced at batch 2 has two dicts of outputs, PyTorch at batch 8 eight: said as a list whose length
     follows the batch, not as outputs that are None on some calls."""
-    from kiln.stages.export.stage import batch_parity
+    from kiln.stages.export.parity import batch_parity
 
     model, x = PerImage().eval(), torch.randn(8, 4)
     export_onnx(model, x[:2], tmp_path / "m.onnx")
@@ -427,7 +428,7 @@ def test_two_names_for_axes_the_data_gives_at_one_size_are_told_to_be_one_name(t
     they differ, and the fix says to give them one name before blaming the model's code."""
     from kiln.core.data import DatasetSplits
     from kiln.core.onnx_io import ort_session
-    from kiln.stages.export.stage import check_validated_sizes
+    from kiln.stages.export.sizes import check_validated_sizes
 
     x = {"input_ids": torch.randint(0, 5, (12, 16)), "attention_mask": torch.ones(12, 16, dtype=torch.int64)}
     take = lambda rows: {k: v[rows] for k, v in x.items()}  # noqa: E731
@@ -455,7 +456,7 @@ class _Casts(nn.Module):
 
 
 def test_float64_inputs_of_a_float32_model_are_said(caplog: pytest.LogCaptureFixture) -> None:
-    from kiln.stages.export.stage import warn_wide_inputs
+    from kiln.stages.export.model_checks import warn_wide_inputs
 
     x = {"pixels": torch.randn(2, 3, dtype=torch.float64), "ids": torch.zeros(2, 4, dtype=torch.long)}
     with caplog.at_level("WARNING", logger="kiln"):
@@ -493,7 +494,7 @@ def test_a_model_that_takes_one_size_is_named_when_both_exporters_fail(tmp_path:
     """Both exporters fail on the op; PyTorch itself refuses the other validated size: that is what is said, with
     the fix for an axis the model does not let vary, not the exporters' "an op ONNX cannot express"."""
     from kiln.core.data import DatasetSplits
-    from kiln.stages.export.stage import export_at_sizes
+    from kiln.stages.export.sizes import export_at_sizes
 
     x = torch.randn(12, 4, 4)
     data, axes = DatasetSplits(x[:8], None, x[8:], None), {"input": {1: "frames"}}

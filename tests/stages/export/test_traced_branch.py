@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kiln.core.errors import ModelError
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 
 
 class Branches(nn.Module):

@@ -10,7 +10,7 @@ import torch
 
 from kiln.models.registry import build_model
 from kiln.pipeline.config import KilnConfig
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 from kiln.stages.optimize import stage
 from kiln.stages.optimize.api import optimize_file, optimize_model
 from kiln.stages.optimize.config import OptimizeConfig

@@ -12,7 +12,7 @@ import torch
 from kiln.calibration.config import CalibrationConfig
 from kiln.stages.engines.onnxruntime import _plan
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 from kiln.stages.precision.audit import audit_graph
 from kiln.stages.precision.config import FallbackConfig
 from kiln.stages.precision.variants import Source, build_fp8

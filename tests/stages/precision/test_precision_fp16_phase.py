@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 from torch import nn
 
 from kiln.core.onnx_io import check_onnx, infer_shapes, load_onnx
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 from kiln.stages.precision.compare import run_batched
 from kiln.stages.precision.config import FP16Config
 from kiln.stages.precision.fp16 import convert_fp16, name_nodes

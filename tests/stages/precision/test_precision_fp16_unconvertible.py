@@ -12,7 +12,7 @@ import torch
 from onnx import TensorProto, helper
 
 from kiln.core.onnx_io import check_onnx, infer_shapes, load_onnx
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 from kiln.stages.precision import fp16 as fp16_module
 from kiln.stages.precision.compare import run_batched
 from kiln.stages.precision.config import FP16Config

@@ -12,7 +12,7 @@ import torch
 
 from kiln.core.onnx_io import ort_session
 from kiln.models.registry import build_model
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 from tests.stages.precision.test_precision_stage import TRANSFORMER, _run
 
 

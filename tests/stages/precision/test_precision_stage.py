@@ -18,7 +18,7 @@ from kiln.core.records import Variants
 from kiln.models.registry import build_model
 from kiln.pipeline.config import config_from_dict
 from kiln.pipeline.runner import load_dataset
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 from kiln.stages.precision.stage import run
 from tests.conftest import stage_context, tiny_config_dict
 

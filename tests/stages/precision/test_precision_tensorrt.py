@@ -13,7 +13,7 @@ import torch
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.models.registry import build_model
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.variants import Source, build_fp8, build_fp16, build_int8
 

@@ -12,7 +12,7 @@ from kiln.core.records import EngineValidation
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
 from kiln.stages.engines.stage import build_engine
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 from kiln.stages.validate.stage import behind_pytorch, loop_note
 from tests.user_models import BagModel
 

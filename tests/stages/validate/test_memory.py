@@ -45,7 +45,7 @@ def numpy_arrays(mb: int) -> Callable[[], object]:
 def ort_session(tmp: Path) -> Callable[[], object]:
     from kiln.core.onnx_io import ort_run, ort_session
     from kiln.models.registry import build_model
-    from kiln.stages.export.stage import export_onnx
+    from kiln.stages.export.torch_export import export_onnx
 
     export_onnx(build_model("cnn"), torch.rand(2, 1, 8, 8), tmp / "m.onnx")
 

@@ -19,7 +19,7 @@ from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
 from kiln.stages.engines.registry import load_engine, runnable
 from kiln.stages.engines.stage import MislabelledEngine, build_engine
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 from tests.stages.engines.build_graphs import sample, written
 
 ZOO = ["cnn", "transformer", "mlp_embed"]

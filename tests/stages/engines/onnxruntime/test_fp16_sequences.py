@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 from kiln.core.onnx_io import infer_shapes, load_onnx, ort_session
 from kiln.stages.engines.onnxruntime.build import build_ort_engine
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
-from kiln.stages.export.stage import export_onnx
+from kiln.stages.export.torch_export import export_onnx
 from kiln.stages.precision.fp16_select import unconvertible_ops
 from tests.stages.precision.precision_graphs import make_model, rng_weights
 from tests.user_models import BagModel

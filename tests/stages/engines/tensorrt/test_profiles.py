@@ -69,7 +69,7 @@ def test_kiln_build_of_a_file_takes_signature_batch_sizes_for_its_profile(zoo, t
 
 @pytest.fixture(scope="module")
 def token_onnx(tmp_path_factory) -> Path:
-    from kiln.stages.export.stage import export_onnx
+    from kiln.stages.export.torch_export import export_onnx
 
     path = tmp_path_factory.mktemp("tok") / "model.onnx"
     model = build_model("token_classifier", {"dim": 16, "layers": 1}).eval()

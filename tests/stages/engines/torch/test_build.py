@@ -269,7 +269,7 @@ class DictScorer(torch.nn.Module):
 def test_dict_inputs_and_outputs_keep_their_names(tmp_path: Path) -> None:
     """The engine binds the ONNX inputs by name (by position, mask would have gone in as ids: both integer, no
     error, wrong outputs) and flattens a dict output as the export did (before: the build failed on the dict)."""
-    from kiln.stages.export.stage import export_onnx
+    from kiln.stages.export.torch_export import export_onnx
 
     model = DictScorer().eval()
     rng = np.random.default_rng(0)
@@ -313,7 +313,7 @@ class TinyUNet(torch.nn.Module):
 def test_axes_the_model_constrains_are_refined_as_torch_suggests(tmp_path: Path) -> None:
     """Dynamic height/width on a model that needs them even: torch.export refused the plain dims ("Constraints
     violated (height, width)"), so the engine was skipped; with torch's suggested fixes it takes both sizes."""
-    from kiln.stages.export.stage import export_onnx
+    from kiln.stages.export.torch_export import export_onnx
 
     model = TinyUNet().eval()
     export_onnx(model, torch.randn(2, 3, 16, 16), tmp_path / "m.onnx", dynamic_axes={"input": {2: "h", 3: "w"}})

@@ -301,7 +301,7 @@ def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str, algorithms: 
     from kiln.stages.engines.registry import load_engine
     from kiln.stages.engines.stage import build_engine
     from kiln.stages.engines.torch.config import TorchConfig
-    from kiln.stages.export.stage import export_onnx
+    from kiln.stages.export.torch_export import export_onnx
 
     if why := supported(precision):
         pytest.skip(why)

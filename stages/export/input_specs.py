@@ -1,0 +1,153 @@
+"""The example inputs of ``kiln export -o``: ``--input-shape`` values (``[NAME=]DIMS[:DTYPE]``) parsed into specs
+and made into random inputs (an attention mask a valid one), or else the configured data's first rows; and the hint
+for a model whose inputs Kiln cannot tell."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+from torch import nn
+
+from kiln.core.data import SINGLE_INPUT, Inputs, call, forward_inputs, take
+from kiln.core.errors import ConfigError
+from kiln.core.inputs import random_inputs
+from kiln.core.labels import is_mask_name
+from kiln.core.records import TensorSpec
+from kiln.core.text import first_line
+from kiln.models.model_io import dataset_for
+from kiln.models.registry import DEFAULT_DATASET
+from kiln.stages.export.declaration import ExportSettings
+from kiln.stages.export.parity import PARITY_ROWS
+
+
+def example_source(specs: list[TensorSpec] | None) -> str:
+    """Where direct export's example inputs came from, for its parity error."""
+    return "random inputs of the --input-shape sizes" if specs else "the first rows of the configured data"
+
+
+def direct_example(cfg: ExportSettings, model: nn.Module, specs: list[TensorSpec] | None) -> Inputs:
+    """``PARITY_ROWS`` rows of example inputs the model is known to take: of ``specs`` (``--input-shape``) or the
+    data's (fewer where the data has fewer)."""
+    if specs:
+        example = example_inputs(specs, PARITY_ROWS)
+        what = "the inputs --input-shape gives (" + _describe(specs) + ")"
+    elif cfg.data.name is None and cfg.model.name not in DEFAULT_DATASET and not cfg.model.onnx:
+        raise ConfigError(
+            f"cannot tell which inputs model '{cfg.model.name}' takes: no --input-shape and no data configured",
+            hint=input_shape_hint(model),
+        )
+    else:
+        data = dataset_for(cfg.model, cfg.data, cfg.signature, cfg.seed)
+        example = take(data.val_x, slice(0, PARITY_ROWS))
+        what = f"the inputs of dataset '{cfg.data.name or data.name}'"
+    try:
+        with torch.no_grad():
+            call(model, example)
+    except Exception as exc:  # the model rejects them: say so, not "an op ONNX cannot express" or a traceback
+        reason = first_line(exc)
+        hint = input_shape_hint(model, random=bool(specs))
+        raise ConfigError(f"model '{cfg.model.name}' rejects {what}: {reason}", hint=hint) from None
+    return example
+
+
+def input_shape_hint(model: nn.Module, random: bool = False) -> str:
+    """The fix for a model whose inputs Kiln cannot tell: one ``--input-shape`` per input of its forward. With
+    ``random``, for a model that rejected ``--input-shape``'s inputs: their random values (a length of 0, an id
+    it has no row for) may be what it rejects, not their shapes, and real inputs come from a data function."""
+    names = forward_inputs(model) or ["NAME"]
+    flags = " ".join(f"--input-shape {n}=DIMS" for n in names)
+    shapes = f"{flags} (e.g. image=3,224,224, ids=128:int64, t=():int64 for one value per sample)"
+    if random:
+        return (
+            "--input-shape gives random values (floats standard normal, integers 0 or 1), which the model may reject "
+            "where the shapes are right (a length of 0): give it real inputs, a config whose data.name is a data "
+            f"function the model takes (kiln export CONFIG -o FILE); else check each input's shape, one sample "
+            f"without the batch axis: {shapes}"
+        )
+    return (
+        f"give each input's shape, one sample without the batch axis: {shapes}, or a config whose data.name is a "
+        "data function the model takes"
+    )
+
+
+INPUT_SHAPE_FORM = "[NAME=]DIMS[:DTYPE]"
+# What DIMS may be: sizes, or nothing for a sample without axes (one value per sample, the input is [batch])
+INPUT_SHAPE_HINT = (
+    f"give {INPUT_SHAPE_FORM}, DIMS one sample's shape without the batch axis: positive integers (3,224,224 or "
+    "3x224x224), or () for one value per sample, an input of shape [batch] (a timestep: t=():int64, or t=:int64); "
+    "e.g. image=3x224x224 or ids=128:int64"
+)
+
+
+def parse_input_shapes(texts: tuple[str, ...]) -> list[TensorSpec]:
+    """``--input-shape`` values, ``[NAME=]DIMS[:DTYPE]``: one sample's shape (positive integers separated by ``,``
+    or ``x``, in parentheses or not, no batch axis; ``()`` or nothing for a sample without axes, whose input is
+    ``[batch]``: a timestep per sample) and dtype (float32 by default) per input, as specs with a leading ``batch``
+    axis. An unnamed shape is the model's only input (``input``), so it stands alone."""
+    specs = [_parse_input_shape(t) for t in texts]
+    names = [s.name for s in specs]
+    if SINGLE_INPUT in names and len(specs) > 1 and not all("=" in t for t in texts):
+        raise ConfigError(
+            f"--input-shape given {len(specs)} times, not every one named: {list(texts)}",
+            hint="name each input of a model with several: --input-shape x=8 --input-shape meta=3",
+        )
+    if len(set(names)) < len(names):
+        raise ConfigError(f"--input-shape names an input twice: {names}", hint="give one --input-shape per input")
+    return specs
+
+
+def _parse_input_shape(text: str) -> TensorSpec:
+    name, sep, rest = text.rpartition("=")
+    dims, _, dtype = rest.partition(":")
+    shape = _dims(dims)
+    try:
+        np.dtype(dtype or "float32")
+    except (TypeError, ValueError):
+        shape = None
+    if shape is None or not text.strip() or (sep and not name.isidentifier()):
+        raise ConfigError(f"--input-shape '{text}' is not {INPUT_SHAPE_FORM}", hint=INPUT_SHAPE_HINT)
+    return TensorSpec(name=name if sep else SINGLE_INPUT, shape=["batch", *shape], dtype=dtype or "float32")
+
+
+def _dims(text: str) -> list[int] | None:
+    """One sample's sizes: ``3,224,224``, ``3x224x224`` or ``(3, 224, 224)``; ``()`` or nothing is a sample without
+    axes. None for anything else (a size below 1, a word)."""
+    inner = text.strip()
+    if inner.startswith("(") and inner.endswith(")"):
+        inner = inner[1:-1].strip()
+    if not inner:
+        return []
+    try:
+        shape = [int(s) for s in re.split(r"[,x]", inner)]
+    except ValueError:
+        return None
+    return shape if all(d >= 1 for d in shape) else None
+
+
+def example_inputs(specs: list[TensorSpec], batch: int = 2) -> Inputs:
+    """Random inputs of ``specs`` (floats standard normal, integers 0 or 1, which any embedding takes; an input
+    named like an attention mask a valid one, :func:`valid_mask`): one tensor for an unnamed shape, else a dict by
+    name (the model is called with keywords)."""
+    arrays = random_inputs(specs, batch, hint="give every axis a size in --input-shape")
+    arrays = {k: valid_mask(v) if is_mask_name(k) else v for k, v in arrays.items()}
+    x = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    return x[SINGLE_INPUT] if [s.name for s in specs] == [SINGLE_INPUT] else x
+
+
+def valid_mask(like: np.ndarray) -> np.ndarray:
+    """An attention mask of ``like``'s shape and dtype as tokenizers pad: each row ones then zeros along its last
+    axis, the first row whole and each next one a token shorter, never below one token. Random 0/1 would mask a
+    row's first token, whose query under a causal mask then attends to no key: PyTorch and ONNX Runtime answer
+    such a row differently, and the parity check would fail a good graph."""
+    if like.ndim < 2:
+        return np.ones_like(like)
+    length = like.shape[-1]
+    kept = np.maximum(1, length - np.arange(like.shape[0]) % length)
+    shape = (like.shape[0],) + (1,) * (like.ndim - 1)
+    return np.broadcast_to(np.arange(length) < kept.reshape(shape), like.shape).astype(like.dtype)
+
+
+def _describe(specs: list[TensorSpec]) -> str:
+    return ", ".join(f"'{s.name}' {s.dtype}[{', '.join(map(str, s.shape))}]" for s in specs)

@@ -1,0 +1,152 @@
+"""A ``model.onnx`` the user gives in place of an export: taken, checked and shape-inferred like an export (a
+fixed batch axis freed once shown not to matter), and checked against the run before any stage runs it: the PyTorch
+model's output names, and the data's indices against the tables the graph indexes."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+from torch import nn
+
+from kiln.core.compare import within_tolerance
+from kiln.core.data import DataContractError, DatasetSplits, Inputs, feed_for_graph, rows
+from kiln.core.errors import KilnError, ModelError
+from kiln.core.inputs import random_inputs
+from kiln.core.onnx_io import (
+    INDEX_HINT,
+    check_onnx,
+    check_tensor_io,
+    fixed_batch,
+    free_batch,
+    infer_shapes,
+    io_specs,
+    load_onnx,
+    ort_run,
+    ort_session,
+    outside_index,
+    save_onnx,
+)
+from kiln.core.text import first_line
+from kiln.stages.export.declaration import ExportSummary
+from kiln.stages.export.parity import torch_outputs
+
+log = logging.getLogger("kiln.export")
+
+
+def take_onnx(src: Path, path: Path) -> ExportSummary:
+    """``model.onnx``: the user's file in place of an export, checked and shape-inferred like one. A file whose batch
+    axis is a number (published files often fix it at 1) gets a symbolic one, once the graph is shown to compute the
+    same rows at twice that batch (:func:`free_checked`): the batch sizes are the run's to choose."""
+    proto = load_onnx(src)
+    check_tensor_io(proto, f"model.onnx {src.name}")
+    fixed = fixed_batch(proto)
+    proto = free_checked(proto, src, *fixed) if fixed else infer_shapes(proto, strict=False)
+    save_onnx(proto, path)
+    check_onnx(path, f"model.onnx {src.name}")
+    inputs, outputs = io_specs(proto)
+    log.info("took %s (%d nodes) instead of exporting", src, len(proto.graph.node))
+    return ExportSummary(
+        nodes=len(proto.graph.node),
+        source=str(src),
+        inputs=[i.name for i in inputs],
+        outputs=[o.name for o in outputs],
+        opset=max((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), default=0),
+        freed_batch=fixed[0] if fixed else None,
+    )
+
+
+def free_checked(proto: onnx.ModelProto, src: Path, batch: int, example: str) -> onnx.ModelProto:
+    """``proto`` with a symbolic batch axis (:func:`kiln.core.onnx_io.free_batch`), checked: two random batches of
+    ``batch`` rows run through the file as it is, and as one batch through the freed graph, must give the same rows.
+    Where they do not (a Reshape to a fixed ``[1, -1]``), a ModelError says to export it with a dynamic batch."""
+    inputs, _ = io_specs(proto)
+    original = ort_session(src)
+    parts = [
+        random_inputs(inputs, batch, dynamic=8, seed=seed, hint="export it with a dynamic batch axis")
+        for seed in (1, 2)
+    ]
+    want = [ort_run(original, part) for part in parts]
+    freed = free_batch(proto, batch)
+    hint = (
+        "export it again with a dynamic batch axis (torch.onnx.export(..., dynamic_axes={'<input>': {0: 'batch'}})), "
+        "or let Kiln export it from PyTorch (model.name)"
+    )
+    try:
+        got = ort_run(ort_session(freed), {k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+    except Exception as exc:  # ONNX Runtime's own error: a node that takes the fixed size only
+        raise ModelError(
+            f"model.onnx {src.name} fixes the batch at {batch} (input {example}) and does not run at batch "
+            f"{2 * batch}: {first_line(exc)}",
+            hint=hint,
+        ) from None
+    for (name, out), first, second in zip(enumerate(got), *want):
+        ref = np.concatenate([first, second]) if first.ndim and len(first) == batch else first
+        ok, _, why = within_tolerance(ref, out, atol=1e-5, rtol=1e-4)
+        if not ok:
+            raise ModelError(
+                f"model.onnx {src.name} fixes the batch at {batch} (input {example}) and its graph depends on it: "
+                f"at batch {2 * batch} output {proto.graph.output[name].name} {why}",
+                hint=hint,
+            )
+    log.info(
+        "model.onnx %s fixed the batch at %d: its batch axis is now symbolic (checked at %d)",
+        src.name,
+        batch,
+        2 * batch,
+    )
+    return freed
+
+
+def refuse_other_output_names(model: nn.Module, x: Inputs, outputs: list[str], shown: str, name: str) -> None:
+    """The PyTorch model ``name`` (validation's reference) against the outputs of the taken ``model.onnx`` (``shown``):
+    validation compares outputs by name, so each of PyTorch's must be one of the file's. Told here, where the file
+    is taken, with both lists: no export Kiln runs can rename the user's file. A model that fails on the data's
+    first rows ``x`` is left to the stages that run it, which say why."""
+    try:
+        named = list(torch_outputs(model, x))
+    except KilnError:
+        raise
+    except Exception as exc:  # the model's own error on the data: validation names it with its fix
+        log.debug("outputs of model '%s' not compared with %s: %s", name, shown, first_line(exc))
+        return
+    missing = [n for n in named if n not in outputs]
+    if not missing:
+        return
+    raise ModelError(
+        f"model '{name}' returns outputs {named}, model.onnx {shown} has {outputs}: validation compares them by name "
+        f"and finds no {missing} in the file",
+        hint=_rename_hint(named, outputs, shown),
+    )
+
+
+def _rename_hint(named: list[str], outputs: list[str], shown: str) -> str:
+    """The fix for outputs named apart: name the file's outputs as PyTorch's, or return a dict of the file's."""
+    if len(named) == len(outputs) == 1:
+        renamed = f"rename the output '{outputs[0]}' of {shown} to '{named[0]}'"
+    else:
+        renamed = f"name the outputs of {shown} {named}"
+    keys = ", ".join(f"'{o}': ..." for o in outputs)
+    return (
+        f"{renamed} (torch.onnx.export(..., output_names={named})), or have forward return a dict with the file's "
+        f"names, {{{keys}}}"
+    )
+
+
+def refuse_outside_index(data: DatasetSplits, path: Path, shown: str, name: str) -> None:
+    """Each split of ``data`` (``name``: the data function) against the tables the taken graph at ``path`` (the
+    user's ``shown``) indexes (:func:`kiln.core.onnx_io.outside_index`), before any stage runs it on them: ONNX
+    Runtime would stop at a token id past an embedding's rows with a traceback naming a node, not the input. Data
+    that do not fit the graph's inputs are left to the stages that run it, which say why."""
+    graph = load_onnx(path, load_external_data=False)
+    names = [i.name for i in io_specs(graph)[0]]
+    for split, x in (("training", data.train_x), ("validation", data.val_x)):
+        try:
+            feed = feed_for_graph(x, names) if rows(x) else {}
+        except KilnError:
+            return
+        why = outside_index(graph, feed, shown)
+        if why is not None:
+            raise DataContractError(f"the {split} data of '{name}': {why}", hint=INDEX_HINT)

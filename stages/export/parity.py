@@ -1,0 +1,357 @@
+"""Parity of the exported graph with PyTorch: ONNX Runtime against the model on the same rows, each output held to
+``atol + rtol *`` the value its error is on; the batch check, which tells a graph that holds its traced batch from
+one that is merely inexact; the error that says which it is and what to change; and the check of outputs that order
+by value on inputs grown without ties. The size checks and the step probe are built on these."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from kiln.core.compare import masks_of, max_abs_err, value_ordered
+from kiln.core.data import Feed, Inputs, as_feed, from_feed, rows
+from kiln.core.errors import KilnError, ModelError
+from kiln.core.labels import without_padding
+from kiln.core.onnx_io import ort_run, ort_session
+from kiln.core.outputs import named_outputs
+from kiln.core.shapes import Axes, resize
+from kiln.core.text import short_reason
+from kiln.stages.export.pinned_sizes import BATCH_FIXED_HINT, FIXED_SIZE_HINT, batch_pinned_at
+from kiln.stages.export.torch_export import error_reason
+
+# Rows the export's parity check runs: it compares the same arithmetic in two runtimes, which a few rows show as
+# well as many; accuracy over the data is validation's job.
+PARITY_ROWS = 8
+
+
+def parity(
+    model: nn.Module,
+    onnx_path: Path,
+    x: Inputs,
+    session: Any = None,
+    at: str = "",
+    ref: dict[str, np.ndarray] | None = None,
+) -> dict[str, Any]:
+    """ONNX Runtime against PyTorch on ``x``: the largest abs error over every output, and per output.
+    ``session``: one already open on ``onnx_path``; ``at``: the sizes ``x`` has, for the messages; ``ref``:
+    PyTorch's outputs on ``x``, where already computed."""
+    if ref is None:
+        ref = torch_outputs(model, x)
+    sess = session if session is not None else ort_session(onnx_path)
+    _same_outputs(list(ref), [o.name for o in sess.get_outputs()], "at " + (at or f"batch {rows(x)}"), rows(x))
+    feed = as_feed(x, [i.name for i in sess.get_inputs()])
+    got = ort_run(sess, feed)
+    # positions an attention mask marks as padding are no one's answer (kiln.core.labels.without_padding): the mask
+    # on each output's own axis, by the graph's axis names (an encoder's mask is not a decoder's)
+    names = lambda values: {v.name: {i: d for i, d in enumerate(v.shape) if isinstance(d, str)} for v in values}  # noqa: E731
+    axes, out_axes = names(sess.get_inputs()), names(sess.get_outputs())
+    ref = without_padding(feed, ref, axes, out_axes)
+    answered = without_padding(feed, dict(zip(ref, got)), axes, out_axes)
+    # outputs whose length the values decide (an axis 0 no input has: NMS's detections) in one order of their
+    # values: ONNX Runtime's TopK orders tied scores apart from torch.topk, and Kiln's widened inputs tie them
+    given = {d for dims in axes.values() for d in dims.values()}
+    by_value = [o.name for o in sess.get_outputs() if o.shape and isinstance(o.shape[0], str)]
+    by_value = [n for n in by_value if out_axes[n][0] not in given]
+    ref, answered = value_ordered(ref, answered, by_value)
+    got = [answered[n] for n in ref]
+    for (name, r), g in zip(ref.items(), got):
+        if g.shape != r.shape:
+            raise ShapeMismatch(
+                f"exported model's output '{name}' has shape {g.shape}{' at ' + at if at else ''}, PyTorch's {r.shape}",
+                hint=FIXED_SIZE_HINT if at else "check the model's outputs for sizes computed outside torch",
+            )
+        _refuse_non_finite(name, r, g, at)
+    errs = {name: max_abs_err(r, g) for (name, r), g in zip(ref.items(), got)}
+    scale = {name: _scale_at_worst(r, g) for (name, r), g in zip(ref.items(), got)}
+    return {
+        "max_abs_err": max(errs.values()),
+        "per_output": errs,
+        "scale": scale,
+        "samples": rows(x),
+        "by_value": by_value,
+    }
+
+
+def _scale_at_worst(ref: np.ndarray, got: np.ndarray) -> float:
+    """The magnitude of an output's value where the graph's answer is furthest from it (a mask's fill and values
+    that are not finite left out: :func:`kiln.core.compare.masks_of`), the size float rounding scales with there:
+    the error must be explained by the value it is on, so a lone large value (a -1e9 fill, an outlier) widens the
+    tolerance of no other, and a small channel beside a large one is held to its own size. 0 for an integer
+    output, compared exactly."""
+    if ref.dtype.kind != "f" or ref.size == 0:
+        return 0.0
+    r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    keep = np.isfinite(r) & np.isfinite(g) & ~np.isin(r, masks_of(ref).values)
+    if not keep.any():
+        return 0.0
+    err = np.full(r.shape, -1.0)
+    err[keep] = np.abs(g[keep] - r[keep])  # the kept values only: an infinity in both would be NaN, said as a warning
+    return float(np.abs(r.flat[int(np.argmax(err))]))
+
+
+def within_parity(errs: Mapping[str, float], scale: Mapping[str, float], atol: float, rtol: float) -> bool:
+    """Whether every output's error (``errs``) is within ``atol + rtol *`` the value it is on (``scale``:
+    :func:`_scale_at_worst`): float rounding grows with the values a graph computes, so each is held to its size."""
+    return all(err <= atol + rtol * scale.get(name, 0.0) for name, err in errs.items())
+
+
+def parity_passes(check: Mapping[str, Any], atol: float, rtol: float) -> bool:
+    """Whether a :func:`parity` result is within ``atol`` and ``rtol`` (:func:`within_parity`)."""
+    return within_parity(check["per_output"], check["scale"], atol, rtol)
+
+
+def require_parity(check: Mapping[str, Any], atol: float, rtol: float, where: str, advice: str = "") -> None:
+    """:func:`parity_error` where a :func:`parity` result is not within ``export.parity_atol`` and
+    ``export.parity_rtol`` (:func:`parity_passes`)."""
+    if not parity_passes(check, atol, rtol):
+        raise parity_error(check, atol, where, advice, rtol)
+
+
+def _same_outputs(names: list[str], exported: list[str], at: str, batch: int) -> None:
+    """The model returns the outputs the graph was exported with (``names``: PyTorch's at ``at``, ``batch`` rows).
+    An output that is None on some calls and a tensor on others (it depends on the batch) has no place in a graph:
+    the export left it out, or kept it, as the example it traced had it. Nor has a list with one item per sample
+    (:func:`_per_sample_list`)."""
+    _refuse_per_sample_list(names, exported, at, batch)
+    now = [f"'{n}' a tensor" for n in names if n not in exported] + [f"'{n}' None" for n in exported if n not in names]
+    if now:
+        raise ModelError(
+            f"the model returns output {', '.join(now)} {at}, but not on the example the graph was exported with: "
+            "a None output is left out of the graph, so it must be None on every call",
+            hint="return each output as a tensor on every call, or as None on every call (an absent loss)",
+        )
+
+
+# A list item in a flattened output's name (kiln.core.outputs.flatten_outputs): ``output_<i>`` at the top, ``.<i>``
+# inside a container
+_LIST_ITEM = re.compile(r"(?:^output_|\.)(\d+)(?=\.|$)")
+
+
+def _list_lengths(names: list[str]) -> dict[str, int]:
+    """List (its path, ``*`` for its index: ``output_*``, ``detections.*``) -> how many items ``names`` hold of it."""
+    items: dict[str, set[int]] = {}
+    for name in names:
+        for match in _LIST_ITEM.finditer(name):
+            items.setdefault(name[: match.start(1)] + "*", set()).add(int(match.group(1)))
+    return {path: len(found) for path, found in items.items()}
+
+
+def _per_sample_list(names: list[str], exported: list[str], batch: int) -> tuple[str, int] | None:
+    """(the list's path, its length in the graph) for an output list of ``batch`` items (``names``) whose length
+    in the exported graph differs: one item per sample, as torchvision's detectors return one ``{boxes, scores,
+    labels}`` dict per image. None: no such list."""
+    then = _list_lengths(exported)
+    for path, length in _list_lengths(names).items():
+        if length == batch and then.get(path, length) != length:
+            return path, then[path]
+    return None
+
+
+def _refuse_per_sample_list(names: list[str], exported: list[str], at: str, batch: int) -> None:
+    """A ModelError for an output list whose length follows the batch (:func:`_per_sample_list`): a graph's outputs
+    are a fixed set, so it holds as many items as the example it traced had samples."""
+    found = _per_sample_list(names, exported, batch)
+    if found is None:
+        return
+    path, traced = found
+    raise ModelError(
+        f"the model returns a list of outputs whose length follows the batch ({path.replace('*', '<i>')}: {batch} "
+        f"items {at}, {traced} on the example the graph was exported with), which is not supported: a graph has a "
+        "fixed number of outputs",
+        hint="return flat tensors over the whole batch, each row with the index of the sample it belongs to: e.g. "
+        "detections as boxes [K, 4], scores [K], labels [K] and an image index [K]",
+    )
+
+
+class ShapeMismatch(ModelError):
+    """An output of the exported graph has another shape than PyTorch's: at a size other than the traced one, the
+    sign of a size the export fixed (:func:`batch_parity` tells it from other parity errors)."""
+
+
+def torch_outputs(model: nn.Module, x: Inputs) -> dict[str, np.ndarray]:
+    with torch.no_grad():
+        return {k: v.numpy() for k, v in named_outputs(model, x).items()}
+
+
+def _refuse_non_finite(name: str, ref: np.ndarray, got: np.ndarray, at: str = "") -> None:
+    """NaN or infinity in the graph's answer where PyTorch's is finite is its own error, named with the samples it
+    hits: as an error size it would read as NaN, which no tolerance catches and no other cause explains."""
+    if got.dtype.kind != "f" or got.ndim == 0 or got.size == 0:
+        return
+    bad = ~np.isfinite(got) & np.isfinite(ref)
+    hit = np.flatnonzero(bad.reshape(len(bad), -1).any(axis=1))
+    if hit.size:
+        raise ModelError(
+            f"the exported graph answers {hit.size} of {len(bad)} samples with NaN or infinity in output '{name}'"
+            f"{' at ' + at if at else ''} where PyTorch's are finite (sample {hit[0]} first)",
+            hint="find what those samples share: a row whose attention keys are all masked is finite in PyTorch's "
+            "attention and NaN in the exported Softmax; keep one key unmasked per sample, or mask those rows' "
+            "outputs after the model",
+        )
+
+
+def batch_parity(
+    model: nn.Module, path: Path, example: Inputs, x: Inputs, atol: float, session: Any = None, rtol: float = 0.0
+) -> dict[str, Any]:
+    """:func:`parity` on ``x``, whose batch differs from ``example``'s, the rows the graph was traced with (the first
+    rows of ``x``). A graph that fails at ``x`` (ONNX Runtime refuses it, an output of another shape, or an error
+    over the tolerance, ``atol + rtol *`` the value each output's error is on, where the traced rows come out otherwise
+    within ``x`` than alone) but computes ``example`` within it holds the traced batch (Swin's
+    ``B = int(windows.shape[0] / n)``): a ModelError says so, and where, instead of an ONNX Runtime traceback or
+    advice to raise the tolerance. Otherwise the check at ``x``, held to the tolerance by the caller; the traced
+    batch runs only when ``x`` fails, so a good graph costs one run."""
+    at = f"batch {rows(x)}"
+    try:
+        ref = torch_outputs(model, x)
+    except Exception as exc:  # PyTorch itself: the model takes only some batch sizes
+        raise ModelError(
+            f"the model fails at {at} in PyTorch: {error_reason(exc)}",
+            hint="make forward take any batch size: the export's batch axis is dynamic",
+        ) from None
+    check, why = _parity_or_why(model, path, x, session, ref)
+    if check is not None and (parity_passes(check, atol, rtol) or rows(x) == rows(example)):
+        return check
+    traced, _ = _parity_or_why(model, path, example, session) if rows(x) != rows(example) else (None, "")
+    # over the tolerance at x only: the batch's doing if the graph gives the traced rows other values within x than
+    # alone (a graph that is merely inexact, worst on rows past the traced ones, gives them the same values)
+    moved = check is None or not within_parity(_rows_move(path, session, example, x), check["scale"], atol, rtol)
+    if traced is not None and parity_passes(traced, atol, rtol) and moved:
+        line = batch_pinned_at(model, example)
+        raise ModelError(
+            f"the exported graph depends on the batch size it was traced at ({at}: {why}; batch {rows(example)}: "
+            f"max abs error {traced['max_abs_err']:.3g}): forward computes a size as a Python int or float from a "
+            f"tensor's shape (e.g. int(x.shape[0] / n)){' in ' + line if line else ''}",
+            hint=f"compute {'the size in ' + line if line else 'sizes from the batch'} {BATCH_FIXED_HINT}",
+        )
+    if check is None:  # not the batch's doing: the traced batch fails too
+        raise ModelError(
+            f"ONNX Runtime cannot run the exported graph at {at}: {why}",
+            hint="the model may use an op ONNX Runtime runs differently from PyTorch; see the message above",
+        )
+    return check
+
+
+def _rows_move(path: Path, session: Any, example: Inputs, x: Inputs) -> dict[str, float]:
+    """Output -> how far the graph's outputs for ``example``'s rows, the first of ``x``, differ between a run on
+    ``x`` and a run on ``example`` alone (outputs whose rows are the samples): 0 for a graph that does not depend on
+    its batch."""
+    sess = session if session is not None else ort_session(path)
+    names = [i.name for i in sess.get_inputs()]
+    whole, alone = ort_run(sess, as_feed(x, names)), ort_run(sess, as_feed(example, names))
+    n = rows(example)
+    outputs = [o.name for o in sess.get_outputs()]
+    same = [
+        (o, w, a) for o, w, a in zip(outputs, whole, alone) if w.ndim and w.shape[1:] == a.shape[1:] and len(a) == n
+    ]
+    return {o: max_abs_err(w[:n], a) for o, w, a in same}
+
+
+def _parity_or_why(
+    model: nn.Module, path: Path, x: Inputs, session: Any, ref: dict[str, np.ndarray] | None = None
+) -> tuple[dict[str, Any] | None, str]:
+    """:func:`parity` and its error in words; or None and why the graph cannot compute ``x`` (ONNX Runtime's
+    error, an output of another shape). Other errors of Kiln's (NaN where PyTorch is finite) pass through."""
+    try:
+        check = parity(model, path, x, session, ref=ref)
+    except ShapeMismatch as exc:
+        return None, exc.message
+    except KilnError:
+        raise
+    except Exception as exc:  # ONNX Runtime's own error: a node that takes the traced batch only
+        return None, "ONNX Runtime: " + short_reason(exc, 200)
+    return check, f"max abs error {check['max_abs_err']:.3g}"
+
+
+def integers_over(check: Mapping[str, Any], ref: Mapping[str, np.ndarray], atol: float, rtol: float) -> list[str]:
+    """The integer outputs of a :func:`parity` result past the tolerance: indices (``torch.topk``'s, an argmax),
+    which pick one of equal scores as each runtime orders them."""
+    per, scale = check["per_output"], check["scale"]
+    return [n for n, r in ref.items() if r.dtype.kind in "iub" and not within_parity({n: per[n]}, scale, atol, rtol)]
+
+
+def computes_untied(
+    model: nn.Module,
+    path: Path,
+    session: Any,
+    like: Inputs,
+    feed: Feed,
+    axes: Axes,
+    point: Mapping[str, int],
+    atol: float,
+    rtol: float,
+) -> bool:
+    """Whether the graph computes the model at ``point`` on ``feed``'s float inputs grown by repeating their own
+    values, each copy shifted so no value repeats (:func:`kiln.core.shapes.resize`, as validation grows them), where
+    the size check padded them with zeros: a constant region, on which a detector's scores tie. The copies are
+    shifted up, then down: a score that falls as the input rises peaks in the data's own copy one way and in a later
+    copy the other, where a graph that fixed the data's size is wrong; it passes only where both agree. False where
+    both grow the inputs alike, or the model or the graph fails on them."""
+    padded = resize(feed, axes, point)
+    for sign in (1, -1):
+        grown = resize(feed, axes, point, repeat_floats=True, step_sign=sign)
+        if all(np.array_equal(grown[n], padded[n]) for n in grown):
+            return False
+        if not _computes_on(model, path, session, from_feed(grown, like), atol, rtol):
+            return False
+    return True
+
+
+def _computes_on(model: nn.Module, path: Path, session: Any, inputs: Inputs, atol: float, rtol: float) -> bool:
+    """Whether the graph's outputs on ``inputs`` are within the tolerance of PyTorch's; False where either fails."""
+    try:
+        return parity_passes(parity(model, path, inputs, session, ref=torch_outputs(model, inputs)), atol, rtol)
+    except Exception:  # noqa: BLE001 - the model or the graph cannot take them: no evidence the graph is right
+        return False
+
+
+# An error this large a share of the value it is on is no float rounding: the graph computes another
+# function (an op the exporter writes wrongly, as ``scatter_reduce(reduce="mean")``, for which ONNX has no reduction)
+_WRONG_SHARE = 1e-3
+
+
+def parity_error(check: dict[str, Any], atol: float, where: str, advice: str = "", rtol: float = 0.0) -> ModelError:
+    """The export parity failure of a :func:`parity` result: the output furthest past its tolerance (``atol + rtol
+    *`` the value its error is on), its error against that value, and a fix by that size. A small share is float
+    rounding (fused or reordered arithmetic in ONNX Runtime), which a wider ``export.parity_rtol`` accepts; a large
+    one is a graph that computes something else, which a wider tolerance would ship."""
+    worst, err, top = _worst_output(check, atol, rtol)
+    share = f", {err / top:.1%} of the value there, {top:.3g}" if top else ""
+    said = f"output '{worst}'{share}" if worst else "all outputs"
+    if not top or err / top > _WRONG_SHARE:
+        hint = (
+            f"{advice}the graph computes something else than the model there: an op the exporter writes wrongly "
+            "(scatter_reduce with reduce='mean', which ONNX lacks), draws random numbers in eval mode or depends on "
+            "the batch; return "
+            "intermediate values as extra outputs to find the first that differs, and write it with other ops"
+        )
+    else:
+        hint = (
+            f"{advice}float rounding differs between the runtimes: raise export.parity_rtol (now {rtol:g}) above "
+            f"the error's share of the value it is on, {err / top:.2g}, or export.parity_atol (now {atol:g})"
+        )
+    return ModelError(
+        f"the exported graph differs from PyTorch ({where}): {over_tolerance(check, atol, rtol)} ({said})", hint=hint
+    )
+
+
+def _worst_output(check: Mapping[str, Any], atol: float, rtol: float) -> tuple[str | None, float, float]:
+    """The output of a :func:`parity` result furthest past its tolerance (``atol + rtol *`` the value its error is
+    on), its error and that value; no name, the largest error and 0 where it names no outputs."""
+    per, scale = check.get("per_output") or {}, check.get("scale") or {}
+    if not per:
+        return None, check["max_abs_err"], 0.0
+    worst = max(per, key=lambda name: per[name] / max(atol + rtol * scale.get(name, 0.0), np.finfo(float).tiny))
+    return worst, per[worst], scale.get(worst, 0.0)
+
+
+def over_tolerance(check: Mapping[str, Any], atol: float, rtol: float) -> str:
+    """``max abs error E > export.parity_atol A + export.parity_rtol R x S``: the worst output's error against its
+    tolerance (:func:`_worst_output`), in words."""
+    _, err, top = _worst_output(check, atol, rtol)
+    return f"max abs error {err:.3g} > export.parity_atol {atol:g} + export.parity_rtol {rtol:g} x {top:.3g}"

@@ -1,0 +1,447 @@
+"""The export itself: ``torch.onnx.export`` of a PyTorch model (the dynamo exporter, the TorchScript one as a
+fallback), its inputs and outputs named, its dynamic axes kept under the config's names, and the exporters' failures
+said as the user's code's (the op and line the exporter stopped at, the line a trace fixed a branch at). The checks
+that hold the graph it writes to PyTorch live apart (:mod:`.parity`, :mod:`.sizes`): this module knows torch's
+exporters, they know the graph."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import traceback
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from torch import nn
+
+from kiln.core import interrupt
+from kiln.core.data import Inputs, check_axes_name_inputs, input_names, rows, tensors
+from kiln.core.errors import ModelError
+from kiln.core.onnx_io import check_onnx, infer_shapes, load_onnx, rename_values, save_onnx, value_names
+from kiln.core.outputs import FlatModel, named_outputs
+from kiln.core.text import first_line, root_cause
+from kiln.core.user_errors import is_user_file, user_frame, where
+from kiln.stages.export.graph_inputs import refuse_label_outputs, warn_unused_inputs
+
+log = logging.getLogger("kiln.export")
+
+
+def export_onnx(
+    model: nn.Module,
+    example: Inputs,
+    path: Path,
+    opset: int = 18,
+    dynamic_batch: bool = True,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+) -> onnx.ModelProto:
+    """``torch.onnx.export`` (the dynamo exporter; the TorchScript one as a fallback), then check + infer shapes.
+
+    ``example``: a tensor, tuple or dict of inputs (the dataset contract); ONNX input names come from the dict keys
+    or the forward's parameters, output names from :func:`kiln.core.outputs.flatten_outputs`. ``dynamic_axes``:
+    axes besides the batch axis that vary, named (one name ties axes of several inputs together)."""
+    return export_with_fallback(model, example, path, opset, dynamic_batch, dynamic_axes)[0]
+
+
+def export_with_fallback(
+    model: nn.Module,
+    example: Inputs,
+    path: Path,
+    opset: int = 18,
+    dynamic_batch: bool = True,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+) -> tuple[onnx.ModelProto, str]:
+    """:func:`export_onnx`, and why the dynamo exporter failed where the graph is the TorchScript exporter's
+    (empty where it is dynamo's): a later check that the fallback's graph fails then names the code dynamo
+    refused, which is what to fix."""
+    model = model.eval()
+    check_axes_name_inputs(model, example, dynamic_axes)
+    names = input_names(model, example)
+    left_out: list[str] = []
+    with torch.no_grad():
+        shapes = {k: tuple(v.shape) for k, v in named_outputs(model, example, left_out).items()}
+    if left_out:
+        log.info("left out output %s: the model returns None there (an ONNX graph has no None outputs)", left_out)
+    outputs = list(shapes)
+    errors = []
+    # Inputs and outputs are exported under placeholder names and get their real names after (name_io)
+    ins = [f"{INPUT_PLACEHOLDER}{i}" for i in range(len(names))]
+    placeholders = [f"{PLACEHOLDER}{i}" for i in range(len(outputs))]
+    axes = input_axes(names, dynamic_batch, dynamic_axes or {})
+    # The dynamo exporter writes opset 18 at least, whatever is asked; older opsets need the TorchScript one.
+    fixed: list[str] = []
+    validation = ""  # where torch.distributions' argument validation made the dynamo exporter fail
+    refused = ""  # why the dynamo exporter failed, where the TorchScript one then exported the graph
+    for dynamo in (True, False) if opset >= 18 else (False,):
+        try:
+            fixed = _export(
+                FlatModel(model, example),
+                tuple(tensors(example)),
+                ins,
+                placeholders,
+                path,
+                opset,
+                {p: axes[n] for p, n in zip(ins, names)},
+                dynamo,
+            )
+            lost = _lost_axes(path, dict(zip(ins, names)), axes)
+            if not lost:
+                break
+            # torch.export may specialise an axis it was told is dynamic (an nn.GRU's length), without an error
+            raise ValueError(f"it fixed {', '.join(lost)}, which signature.dynamic_axes makes dynamic")
+        except Exception as exc:  # the exporter raises many types; keep the message for the user
+            interrupt.check()  # a Ctrl-C that landed inside the exporter's imports came out as another error
+            errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {error_reason(exc)}")
+            if dynamo:
+                validation, refused = _in_distributions(exc), error_reason(exc)
+                log.warning("dynamo exporter failed: %s; trying the TorchScript exporter", refused)
+    else:
+        raise ExportFailed("torch.onnx.export failed: " + " | ".join(errors), hint=_export_failed_hint(errors, opset))
+    if fixed:
+        refuse_traced_branch(fixed, errors, validation)
+    proto = load_onnx(path)
+    _restore_axis_names(proto.graph, {d for a in axes.values() for d in a.values()})
+    name_io(proto.graph, dict(zip(ins, names)), outputs)
+    refuse_label_outputs(proto.graph, shapes, rows(example))
+    warn_unused_inputs(proto.graph)
+    proto = infer_shapes(proto)
+    got = max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    if got != opset:
+        log.warning("asked for opset %d, the exporter wrote opset %d", opset, got)
+    save_onnx(proto, path)
+    _drop_unreferenced_data(path)
+    check_onnx(path, "exported model")  # from the file: the checker then needs no serialized copy of the model
+    return proto, refused
+
+
+PLACEHOLDER = "kiln_export_output_"
+INPUT_PLACEHOLDER = "kiln_export_input_"
+
+
+def name_io(graph: onnx.GraphProto, inputs: dict[str, str], outputs: list[str]) -> None:
+    """Give the graph's inputs (``inputs``: placeholder -> name) and outputs (exported as placeholders, in order) their
+    names. The exporters name internal values after their ops (``embedding``, ``cat``, ``linear``, ``add_1``); asked
+    for an input or output named like one of them (a model returning ``{"embedding": ...}`` that has an
+    ``nn.Embedding``, or taking ``{"cat": ...}`` and calling ``torch.cat``) the dynamo exporter wrote that name twice,
+    a graph the ONNX checker rejects (not in SSA form). Such an internal value is renamed first (``cat_1``, ...)."""
+    clash = sorted(set(outputs) & set(inputs.values()))
+    if clash:
+        raise ModelError(
+            f"the model's outputs {clash} are named like its inputs; an ONNX graph cannot have both",
+            hint="rename those outputs (the keys of the dict forward() returns) or the inputs",
+        )
+    taken = value_names(graph)
+    mapping: dict[str, str] = {}
+    for name in [*inputs.values(), *outputs]:
+        if name in taken:
+            fresh = next(f"{name}_{k}" for k in range(1, len(taken) + 2) if f"{name}_{k}" not in taken)
+            mapping[name] = fresh
+            taken.add(fresh)
+    mapping.update(inputs)
+    mapping.update(zip((o.name for o in graph.output), outputs))
+    rename_values(graph, mapping)
+
+
+def input_axes(
+    names: list[str], dynamic_batch: bool, extra: Mapping[str, Mapping[int, str]]
+) -> dict[str, dict[int, str]]:
+    """Input name -> {axis: name} of every dynamic axis."""
+    return {
+        n: ({0: "batch"} if dynamic_batch else {}) | {int(a): str(d) for a, d in extra.get(n, {}).items()}
+        for n in names
+    }
+
+
+def _drop_unreferenced_data(path: Path) -> None:
+    """The dynamo exporter writes its weights to ``<path>.data``; once ``save_onnx`` has written the model with
+    the weights inline, that file is a stale copy nothing reads (45 MB for a ResNet-18), and a later stage must
+    neither ship it nor depend on it."""
+    data = path.with_name(path.name + ".data")
+    if not data.exists():
+        return
+    shell = onnx.load(str(path), load_external_data=False)
+    used = {
+        e.value
+        for t in shell.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+        for e in t.external_data
+        if e.key == "location"
+    }
+    if data.name not in used:
+        data.unlink()
+
+
+def _lost_axes(path: Path, names: dict[str, str], axes: dict[str, dict[int, str]]) -> list[str]:
+    """The dynamic input axes (``axes``: input -> {axis: name}) the file at ``path`` declares with a fixed size;
+    ``names``: the file's input name -> the model's."""
+    shell = onnx.load(str(path), load_external_data=False)
+    lost = []
+    for inp in shell.graph.input:
+        dims = inp.type.tensor_type.shape.dim
+        for axis, label in axes.get(names.get(inp.name, inp.name), {}).items():
+            if axis < len(dims) and dims[axis].HasField("dim_value"):
+                lost.append(f"input '{names.get(inp.name, inp.name)}' axis {axis} ({label})")
+    return lost
+
+
+def error_reason(exc: BaseException) -> str:
+    """The most specific line of an exporter error (the dynamo exporter wraps the real cause), the op its ONNX
+    translation was converting (:func:`_failed_node`), and where in the user's own code it arose, where those can
+    be told."""
+    node = _failed_node(exc)
+    op = f", converting {node.target}" if node is not None else ""
+    return first_line(root_cause(exc)) + op + _user_location(exc)
+
+
+def _user_location(exc: BaseException | None) -> str:
+    """ " (in forward() at mine.py:12)": the innermost frame in the user's files of the error or its causes, the
+    one a Dynamo error quotes "from user code", or the user's line of the graph node the dynamo exporter's ONNX
+    translation failed on (:func:`_failed_node`); empty when the error is not the user's code's."""
+    first = exc
+    while exc is not None:
+        frame = user_frame(exc)
+        if frame is not None:
+            return f" (in {where(frame)})"
+        quoted = re.search(r'from user code:\s*File "([^"]+)", line (\d+), in (\w+)', str(exc))
+        if quoted is not None and is_user_file(quoted.group(1)):
+            path, line, fn = quoted.groups()
+            return f" (in {fn}() at {Path(path).name}:{line})"
+        exc = exc.__cause__ or exc.__context__
+    return _node_location(_failed_node(first))
+
+
+def _node_location(node: torch.fx.Node | None) -> str:
+    """ " (in forward() at mine.py:12)": the innermost frame in the user's files of the stack a graph node was
+    traced at; empty where it records none."""
+    stack = str(node.meta.get("stack_trace") or "") if node is not None else ""
+    traced = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', stack)
+    path, line, fn = next((t for t in reversed(traced) if is_user_file(t[0])), ("", "", ""))
+    return f" (in {fn}() at {Path(path).name}:{line})" if path else ""
+
+
+def _failed_node(exc: BaseException | None) -> torch.fx.Node | None:
+    """The graph node the dynamo exporter's ONNX translation was converting when it failed (``aten.remainder.Scalar``
+    with a symbolic divisor): a local of its frames in ``torch.onnx``, whose error names neither the op plainly nor
+    the user's line the node records (``meta["stack_trace"]``). None where no such frame holds one."""
+    while exc is not None:
+        tb = exc.__traceback__
+        while tb is not None:
+            if f"{Path('torch', 'onnx')}" in tb.tb_frame.f_code.co_filename:
+                node = next((v for v in list(tb.tb_frame.f_locals.values()) if isinstance(v, torch.fx.Node)), None)
+                if node is not None:
+                    return node
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _export(
+    model: nn.Module,
+    args: tuple[torch.Tensor, ...],
+    names: list[str],
+    outputs: list[str],
+    path: Path,
+    opset: int,
+    axes: dict[str, dict[int, str]],
+    dynamo: bool,
+) -> list[str]:
+    """Export ``model`` to ``path``; returns where the TorchScript exporter's trace turned a tensor into a Python
+    value (``file:line``, the user's code or a library's: :func:`refuse_traced_branch`), empty for dynamo."""
+    kw: dict[str, Any] = dict(input_names=names, output_names=outputs, opset_version=opset, dynamo=dynamo)
+    if dynamo:
+        # Graph rewriting is the optimize stage's job (verified, reported, reversible per pass), so export raw.
+        kw["optimize"] = False
+        # one Dim per name: a shared name means equal sizes (input_ids/attention_mask)
+        dims = torch_dims({d for a in axes.values() for d in a.values()})
+        if any(axes.values()):
+            # FlatModel takes *xs: the exporter sees them as one (tuple) argument
+            kw["dynamic_shapes"] = (tuple({a: dims[d] for a, d in axes[n].items()} or None for n in names),)
+    elif any(axes.values()):
+        kw["dynamic_axes"] = {n: a for n, a in axes.items() if a} | {
+            o: {0: "batch"} for o in outputs if any(0 in a for a in axes.values())
+        }
+    with quiet_torch(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("always", torch.jit.TracerWarning)
+        torch.onnx.export(model, args, str(path), **kw)
+    return list(dict.fromkeys(place for w in said if (place := _traced_value(w))))
+
+
+def _dim_names(labels: Iterable[str]) -> dict[str, str]:
+    """Axis name -> the name its ``torch.export.Dim`` gets, which must be a Python identifier: an identifier as it
+    is, another name with each other character as ``_`` (``seq-len`` -> ``seq_len``; ``2d`` -> ``d_2d``), kept apart
+    from every other name. ``signature.dynamic_axes`` may name an axis anything; the graph's axes get those names
+    back (:func:`_restore_axis_names`)."""
+    labels = sorted(set(labels))
+    out = {label: label for label in labels if label.isidentifier()}
+    taken = set(out)
+    for label in labels:
+        if label in out:
+            continue
+        base = re.sub(r"\W", "_", label)
+        base = base if base[:1].isalpha() or base[:1] == "_" else f"d_{base}"
+        name = next(n for k in range(len(taken) + 1) if (n := f"{base}_{k}" if k else base) not in taken)
+        out[label] = name
+        taken.add(name)
+    return out
+
+
+def torch_dims(labels: Iterable[str]) -> dict[str, Any]:
+    """Axis name -> its ``torch.export.Dim`` (:func:`_dim_names`): sizes from 1, the batch's at most 65536."""
+    names = _dim_names(labels)
+    return {
+        label: torch.export.Dim(name, min=1, max=65536) if label == "batch" else torch.export.Dim(name, min=1)
+        for label, name in names.items()
+    }
+
+
+def _restore_axis_names(graph: onnx.GraphProto, labels: Iterable[str]) -> None:
+    """The names ``signature.dynamic_axes`` gives its axes (``labels``) back in the graph's inputs, outputs and value
+    infos where the dynamo exporter wrote the identifiers :func:`_dim_names` gave them instead (``seq_len`` for
+    ``seq-len``, also inside a size it derived: ``seq_len - 6``), so the file declares the axes by the config's
+    names as the TorchScript exporter's does."""
+    renamed = {name: label for label, name in _dim_names(labels).items() if name != label}
+    if not renamed:
+        return
+    found = re.compile(r"\b(" + "|".join(map(re.escape, renamed)) + r")\b")
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_param = found.sub(lambda m: renamed[m.group(1)], dim.dim_param)
+
+
+# The TorchScript tracer's warning where Python code reads a tensor's value (``if x.sum() > 0``, ``.item()``,
+# ``int(t)``): the trace records the value the example gave as a constant
+_TO_PYTHON = "Converting a tensor to a Python"
+# How the dynamo exporter says a Python branch or value depends on the inputs' values
+_DATA_DEPENDENT = ("data-dependent", "data dependent", "DataDependent")
+
+
+def _traced_value(said: warnings.WarningMessage) -> str:
+    """``file:line`` where a TracerWarning says the trace fixed a tensor's value outside torch's own code; else
+    an empty string."""
+    if not issubclass(said.category, torch.jit.TracerWarning) or _TO_PYTHON not in str(said.message):
+        return ""
+    if Path(said.filename).resolve().is_relative_to(Path(torch.__file__).resolve().parent):
+        return ""
+    return f"{Path(said.filename).name}:{said.lineno}"
+
+
+def refuse_traced_branch(fixed: list[str], errors: list[str], validation: str = "") -> None:
+    """After the dynamo exporter failed, the TorchScript exporter traced the model on its example and fixed the
+    values Python code read from tensors at ``fixed``. Where dynamo failed because such a value decides a branch
+    (a data-dependent guard), the graph holds only the branch the example took and computes it for every input,
+    which the parity check passes whenever the data takes that branch too: an error. Where that guard is
+    ``torch.distributions``' argument validation (``validation``: its place), the error says so and how to turn it
+    off, which lets the dynamo exporter through. Otherwise the values may be shapes or constants: said in the log,
+    with the places, since the parity check compares only the data."""
+    dynamo = next((e for e in errors if e.startswith("dynamo")), "")
+    named = re.search(r"\(in [\w<>]+\(\) at ([^)]+):(\d+)\)", dynamo)  # the line dynamo's error names
+    at = f"{Path(named.group(1)).name}:{named.group(2)}" if named else None
+    shown = [at] if at in fixed else fixed  # the branch's own line, not every shape read the trace warned of
+    places = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+    if validation and any(k in dynamo for k in _DATA_DEPENDENT):
+        built = f" (the distribution built at {at})" if at else ""
+        raise ModelError(
+            f"the dynamo exporter stopped at a branch on the inputs' values inside torch.distributions, at "
+            f"{validation}{built}: a distribution checks its parameters' values (validate_args, on by default), "
+            "a branch no graph can export; the TorchScript exporter traced only the branch its example took (the "
+            f"values it fixed at {places} may be shape reads, unrelated)",
+            hint="turn the check off where the model is built: torch.distributions.Distribution."
+            "set_default_validate_args(False) in the model factory (or validate_args=False where the distribution is "
+            "made); the dynamo exporter then exports the model",
+        )
+    if any(k in dynamo for k in _DATA_DEPENDENT):
+        raise ModelError(
+            f"the model decides a branch from its inputs' values at {places} ({dynamo}), and the TorchScript "
+            "exporter traced only the branch its example took: the graph would take that branch for every input",
+            hint="write the branch with tensor ops (torch.where) or torch.cond, which the dynamo exporter exports, "
+            "or export the model yourself and give Kiln the file (model: {onnx: model.onnx})",
+        )
+    log.warning(
+        "the TorchScript exporter fixed values the model's Python code reads from tensors at %s: the graph keeps "
+        "the example's values there (right for shapes and constants, wrong for a branch on the inputs' values)",
+        places,
+    )
+
+
+def _in_distributions(exc: BaseException) -> str:
+    """``file:line (in function)`` of the innermost frame of ``torch.distributions.Distribution``'s value checks
+    (validate_args) in the traceback of ``exc`` or its causes (an exporter that failed on one); empty where none is."""
+    checks = Path(torch.distributions.distribution.__file__).resolve()
+    found = ""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for frame in traceback.extract_tb(exc.__traceback__):
+            if frame.name in _VALIDATES and Path(frame.filename).resolve() == checks:
+                found = f"{checks.name}:{frame.lineno} (in {frame.name})"
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return found
+
+
+# Where torch.distributions.Distribution checks values: its parameters (__init__), a sample given to log_prob
+_VALIDATES = ("__init__", "_validate_sample")
+
+
+class ExportFailed(ModelError):
+    """Both exporters failed on the model."""
+
+
+@contextmanager
+def quiet_torch() -> Iterator[None]:
+    """The exporter prints progress chatter and warns about optional torchvision ops, and torch.export prints the
+    graph it failed on to stderr (twice) and logs the symbol it could not place: keep the user's console clean,
+    the failure's own message says why (what was said goes to the debug log, which --verbose shows)."""
+    quiet = [logging.getLogger(n) for n in ("torch.onnx", SHAPES_LOG)]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    said = io.StringIO()
+    try:
+        with warnings.catch_warnings(), redirect_stdout(said), redirect_stderr(said), _no_torchscript_log():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+        if said.getvalue().strip():  # what the exporter, or the model's own prints, said meanwhile: --verbose
+            log.debug("while exporting:\n%s", said.getvalue())
+
+
+SHAPES_LOG = "torch.fx.experimental.symbolic_shapes"
+
+
+@contextmanager
+def _no_torchscript_log() -> Iterator[None]:
+    """The TorchScript exporter switches its C++ log on whatever ``verbose`` says (its check reads the function
+    ``_jit_is_onnx_log_enabled`` instead of calling it) and, when it fails, writes the whole TorchScript graph to
+    stderr ahead of Kiln's error; its switch is a no-op for the call. Without that module (another torch): as is."""
+    try:
+        from torch.onnx._internal.torchscript_exporter import utils
+    except ImportError:
+        yield
+        return
+    switch = getattr(utils, "setup_onnx_logging", None)
+    utils.setup_onnx_logging = lambda verbose: nullcontext()
+    try:
+        yield
+    finally:
+        if switch is not None:
+            utils.setup_onnx_logging = switch
+
+
+def _export_failed_hint(errors: list[str], opset: int) -> str:
+    """The fix where both exporters failed: a later opset where the exporter names the one its op came in
+    (``Support for this operator was added in version 20``: ``AffineGrid``, ``GridSample``'s modes), else an op ONNX
+    may not express."""
+    versions = [int(v) for e in errors for v in re.findall(r"added in (?:opset )?version (\d+)", e)]
+    later = max((v for v in versions if v > opset), default=None)
+    if later is not None:
+        return f"export at the opset that has the op: --set export.opset={later} (the config's export.opset)"
+    return "the model may use an op ONNX cannot express; see the message above"
