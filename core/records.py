@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kiln.core.artifacts import write_text_atomic
 from kiln.core.errors import InputFileError
 from kiln.core.signature import BATCH_AXIS
+from kiln.core.steps import LISTED_PERIOD
 from kiln.core.timing import paired_ratio
 
 SCHEMA_VERSION = 2
@@ -105,12 +106,15 @@ def takes_size(pattern: list[int], size: int) -> bool:
 
 def steps_text(pattern: list[int], span: tuple[int, int] | None = None) -> str:
     """``[4, 0]`` -> " in steps of 4"; ``[4, 1]`` -> " in steps of 4 from 1"; ``[16, 0, 9, 10, 11]`` -> " at
-    sizes 0, 9-11 modulo 16"; ``[1, 0]`` (any size) -> "". With the validated ``span`` (low, high), a pattern
+    sizes 0, 9-11 modulo 16"; ``[65536, 64, 96]`` (sizes listed, :func:`kiln.core.steps.listed_steps`) -> " at sizes
+    64, 96"; ``[1, 0]`` (any size) -> "". With the validated ``span`` (low, high), a pattern
     that admits few sizes there lists them (" at sizes 16, 32"), clearer than residues of a period as long as
     the range."""
     period, *residues = pattern
     if period <= 1:
         return ""
+    if period >= LISTED_PERIOD:  # steps that list their sizes (:func:`kiln.core.steps.listed_steps`)
+        return " at sizes " + ", ".join(map(str, sorted(set(residues))))
     if span is not None:
         sizes = [s for s in range(span[0], span[1] + 1) if takes_size(pattern, s)]
         if len(residues) > 1 and 0 < len(sizes) <= 8:

@@ -18,6 +18,7 @@ from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, metadata_value, ort_session, session_options
 from kiln.core.records import EngineMetadata, TensorSpec, Variants, steps_text, takes_size
 from kiln.core.shapes import axis_names, refuse_unknown_axes, shapes_flag
+from kiln.core.steps import aligned_period, sparse_steps
 from kiln.core.text import first_line
 from kiln.stages.engines.backend import SIDECAR
 from kiln.stages.export.declaration import GRAPH_STEPS_KEY, MAX_PERIOD, SIZE_PROBES, parse_graph_steps
@@ -124,28 +125,33 @@ def _with_recorded(
             continue
         out[name] = merged_steps(steps.get(name), pattern)
         low, high = min(sizes[name]), max(sizes[name])
+        shown = steps_text(pattern, (low, high))
         log.info(
             "axis %s: %s records that its graph computes the model at %s%s only (metadata %s): the engine refuses "
             "the others",
-            *(name, src.name, name, steps_text(pattern, (low, high)), GRAPH_STEPS_KEY),
+            *(name, src.name, name, shown, GRAPH_STEPS_KEY),
         )
         off = [s for s in sizes[name] if not takes_size(pattern, s)]
         if off:
             log.warning(
                 "axis %s: %s gives %s, where the graph of %s does not compute the model (its export recorded %s%s "
                 "only): the engine refuses %s; give %s sizes on those steps",
-                *(name, source, ", ".join(f"{name}={s}" for s in off), src.name, name, steps_text(pattern)),
+                *(name, source, ", ".join(f"{name}={s}" for s in off), src.name, name, shown),
                 *("it" if len(off) == 1 else "them", name),
             )
     return out
 
 
 def merged_steps(found: list[int] | None, recorded: list[int]) -> list[int]:
-    """The steps (``[period, *residues]``) of the sizes both ``found`` (None: every size) and ``recorded`` take."""
+    """The steps (``[period, *residues]``) of the sizes both ``found`` (None: every size) and ``recorded`` take: the
+    residues of the longer period repeated up to the common one, kept where the other takes them (steps that list
+    their sizes, :func:`~kiln.core.steps.listed_steps`, have a period far longer than any residue count)."""
     if found is None:
         return recorded
     period = math.lcm(found[0], recorded[0])
-    return [period, *(r for r in range(period) if takes_size(found, r) and takes_size(recorded, r))]
+    longer = max(found, recorded, key=lambda steps: steps[0])
+    sizes = {r + k * longer[0] for r in longer[1:] for k in range(period // longer[0])}
+    return [period, *sorted(r for r in sizes if takes_size(found, r) and takes_size(recorded, r))]
 
 
 class SizeProbe:
@@ -274,8 +280,10 @@ def size_steps(runs: Callable[[int], bool], low: int, high: int, name: str) -> l
     runs at every size tried, as :func:`kiln.stages.export.size_steps.size_pattern` finds them (its draw of sizes first,
     the same answer where every size runs), for at most :data:`STEP_RUNS` runs: a period of a power of two at
     ``low`` is tried first (a few sizes each, the cheap common case of pooling), then sizes one by one from
-    ``low`` until one period repeats twice. Past the budget, no steps, with a warning: a graph run costs seconds at
-    an image's sizes, and the two periods of size by size probing hundreds of runs."""
+    ``low`` until one period repeats twice; a range probed whole without one keeps its sizes, a step between them
+    only where confirmed past it (:func:`~kiln.core.steps.sparse_steps`). Past the budget, no steps, with a
+    warning: a graph run costs seconds at an image's sizes, and the two periods of size by size probing hundreds of
+    runs."""
 
     top = min(high, low + 2 * MAX_PERIOD)
     ok = {low: True, high: True}
@@ -292,7 +300,9 @@ def size_steps(runs: Callable[[int], bool], low: int, high: int, name: str) -> l
     try:
         if all(seen(size) for size in drawn):
             return None
-        period = _aligned_period(seen, ok, low, top) or _scanned_period(seen, ok, low, top, top == high)
+        period = aligned_period(seen, ok, low, top) or _scanned_period(seen, ok, low, top)
+        if period is None and top == high:  # the range probed whole: its sizes, a step only where confirmed
+            return sparse_steps(seen, ok, low, top)
     except _OutOfRuns:
         log.warning(
             "axis %s: steps not fully probed (%d runs of the graph, the most the build spends): the range %d to %d "
@@ -323,30 +333,16 @@ def _fits(ok: dict[int, bool], period: int) -> bool:
     return all(first.setdefault(size % period, good) == good for size, good in ok.items())
 
 
-def _aligned_period(seen: Callable[[int], bool], ok: dict[int, bool], low: int, top: int) -> int | None:
-    """The smallest power of two ``p`` such that the graph runs at the sizes ``low + k p`` only, checked at the
-    sizes tried, one period on, the sizes either side of it, and two periods on; None where none is."""
-    period = 2
-    while low + period <= top:
-        if all(ok[s] == ((s - low) % period == 0) for s in ok):
-            checks = [low + period, low + period - 1, low + period + 1, low + 2 * period]
-            if all(seen(s) == ((s - low) % period == 0) for s in checks if s <= top):
-                return period
-        period *= 2
-    return None
-
-
-def _scanned_period(seen: Callable[[int], bool], ok: dict[int, bool], low: int, top: int, whole: bool) -> int | None:
+def _scanned_period(seen: Callable[[int], bool], ok: dict[int, bool], low: int, top: int) -> int | None:
     """The shortest period of the sizes that run, found by running sizes one by one from ``low``: the first that
-    holds over two whole periods of them and every size tried; the range's width where it is probed whole without
-    one (its sizes exactly: ``whole``, ``top`` is its largest), else None."""
+    holds over two whole periods of them and every size tried; None where none does up to ``top``."""
     for size in range(low, top + 1):
         seen(size)
         span = size - low + 1
         period = next((p for p in range(2, span // 2 + 1) if _fits(ok, p)), None)
         if period is not None:
             return period
-    return top - low + 1 if whole else None
+    return None
 
 
 def _taken_hint(runs: Callable[[int], bool], name: str, low: int, high: int) -> str:

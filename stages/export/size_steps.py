@@ -21,6 +21,7 @@ from kiln.core.errors import KilnError
 from kiln.core.onnx_io import set_metadata
 from kiln.core.records import steps_text
 from kiln.core.shapes import Axes, axis_sizes, resize
+from kiln.core.steps import aligned_period, sparse_steps
 from kiln.core.text import short_reason
 from kiln.stages.export.declaration import GRAPH_STEPS_KEY, MAX_PERIOD, SIZE_PROBES
 from kiln.stages.export.parity import (
@@ -144,17 +145,19 @@ def steps_over(
     user's code a warning names (:func:`pinned_at`)."""
     feed = feed_for_graph(x, names)
     smallest = {label: min(v) for label, v in sizes.items() if v}
+    what = "the graph computed PyTorch's outputs" if graph is not None else "PyTorch ran the model"
     out = {}
     for label, values in sizes.items():
         wrong: dict[int, str] = {}
         runs = runs_at(model, feed, x, axes, smallest, label, graph, wrong)
-        pattern = size_pattern(runs, min(values), max(values), label)
+        span = (min(values), max(values))
+        pattern = size_pattern(runs, *span, label, what)
         if pattern is not None:
             out[label] = pattern
         if pattern is not None and wrong:
-            _warn_graph_steps(label, pattern, (min(values), max(values)), wrong, pinned_at(model, example, axes))
+            _warn_graph_steps(label, pattern, span, wrong, pinned_at(model, example, axes))
         elif pattern is not None:
-            log.info("signature axis %s: the model takes sizes%s only", label, steps_text(pattern))
+            log.info("signature axis %s: the model takes sizes%s only", label, steps_text(pattern, span))
     return out
 
 
@@ -183,34 +186,56 @@ def _warn_graph_steps(
     )
 
 
-def size_pattern(runs: Callable[[int], bool], low: int, high: int, label: str = "") -> list[int] | None:
+def size_pattern(
+    runs: Callable[[int], bool], low: int, high: int, label: str = "", what: str = "PyTorch ran the model"
+) -> list[int] | None:
     """``[period, *residues]`` of the sizes from ``low`` to ``high`` that ``runs``, or None where it runs at every size
     tried: the three after ``low`` and :data:`SIZE_PROBES` drawn from the two periods of :data:`MAX_PERIOD` above it
-    (a fixed draw, so that a rerun finds the same; small sizes are cheap to run). Otherwise those two periods are
-    probed size by size, and the shortest period at which every size runs as the one a period later is kept, with
-    the remainders of the sizes that run; a range probed whole without one gets a period as long as the range: its
-    sizes exactly."""
+    (a fixed draw, so that a rerun finds the same; small sizes are cheap to run). Otherwise a power of two at which
+    the sizes from ``low`` that run repeat is tried first at a few sizes and every size on it (pooling's steps,
+    :func:`~kiln.core.steps.aligned_period`), then those two periods are probed size by size, and the
+    shortest period at which every size runs as the one a period later is kept, with the remainders of the sizes
+    that run. A range probed whole without one keeps its sizes, a step between them only where confirmed past it
+    (:func:`~kiln.core.steps.sparse_steps`). ``what``: what ``runs`` asks, for the log line said as the
+    probe starts (a run each costs a model's forward)."""
     top = min(high, low + 2 * MAX_PERIOD)
-    if all(runs(size) for size in first_probes(low, top)):
+    ok: dict[int, bool] = {}
+
+    def seen(size: int) -> bool:
+        if size not in ok:
+            ok[size] = runs(size)
+        return ok[size]
+
+    if all(seen(size) for size in first_probes(low, top)):
         return None
-    ok = {size: runs(size) for size in range(low, top + 1)}
+    log.info(
+        "signature axis %s: probing %d sizes from %d to %d, a run each: %s at only some of the sizes tried",
+        *(label, top - low + 1, low, top, what),
+    )
+    seen(low)
+    period = aligned_period(seen, ok, low, top, every=True)
+    if period is not None:
+        return [period, low % period]
+    window = {size: seen(size) for size in range(low, top + 1)}
     width = top - low + 1
     period = next(
-        (p for p in range(2, width // 2 + 1) if all(ok[s] == ok[s + p] for s in range(low, top + 1 - p))),
-        width if top == high else None,
+        (p for p in range(2, width // 2 + 1) if all(window[s] == window[s + p] for s in range(low, top + 1 - p))),
+        None,
     )
-    if period is None:
-        log.warning(
-            "signature axis %s: the model runs at some sizes from %d to %d and not at others, in no pattern of "
-            "period %d or less: no sizes recorded, so a size it cannot take fails in the engine; give the sizes it "
-            "takes in signature.shapes to validate those alone",
-            label,
-            low,
-            high,
-            MAX_PERIOD,
-        )
-        return None
-    return [period, *sorted({size % period for size, good in ok.items() if good})]
+    if period is not None:
+        return [period, *sorted({size % period for size, good in window.items() if good})]
+    if top == high:
+        return sparse_steps(seen, window, low, top)
+    log.warning(
+        "signature axis %s: the model runs at some sizes from %d to %d and not at others, in no pattern of "
+        "period %d or less: no sizes recorded, so a size it cannot take fails in the engine; give the sizes it "
+        "takes in signature.shapes to validate those alone",
+        label,
+        low,
+        high,
+        MAX_PERIOD,
+    )
+    return None
 
 
 def first_probes(low: int, top: int) -> list[int]:

@@ -77,6 +77,7 @@ def check_sizes_of(
         else "validate at sizes the data has (signature.shapes) or at sizes of inputs that tie no scores"
     )
     points = _sizes_to_check(model, x, feed, seen, axes, shapes, direct)
+    passed: list[dict[str, int]] = []  # the sizes the graph computed the model at, for a fix that lists some
     for point, sized in points:
         at, inputs = ", ".join(f"{k}={v}" for k, v in point.items()), from_feed(sized, x)
         ref = torch_at(model, inputs, point, [feed, *seen], axes, shapes, direct)
@@ -98,6 +99,7 @@ def check_sizes_of(
                 "order apart) and agree on them grown by their own values: the graph computes the model there",
                 *(at, by_value or indices, whose),
             )
+            passed.append(point)
             continue
         if over and by_value:
             raise ModelError(
@@ -111,16 +113,22 @@ def check_sizes_of(
         if over:
             line = pinned_at(model, take(x, slice(0, 2)), axes)  # the loop or Python number that fixed it
             named = one_name_hint([feed, *seen], axes, point, rows_source(direct))
-            raise _fixed_size_error(f"at {at}, where PyTorch runs ({why})", line, indices, tie, named, dynamo)
+            worked = _worked_sizes(own_sizes(feed, axes), passed)
+            raise _fixed_size_error(f"at {at}, where PyTorch runs ({why})", line, indices, tie, named, dynamo, worked)
+        passed.append(point)
     return [point for point, _ in points]
 
 
-def _fixed_size_error(where: str, line: str, indices: list[str], tie: str, named: str, dynamo: str) -> ModelError:
+def _fixed_size_error(
+    where: str, line: str, indices: list[str], tie: str, named: str, dynamo: str, worked: dict[str, list[int]]
+) -> ModelError:
     """The size check's error where the graph does not compute the model ``where`` (the sizes, and the error there):
     the exporter fixed a size (at ``line`` of the user's code, where found); or, with integer outputs off
     (``indices``), equal scores they index, which runtimes order apart (``tie``: the fix for that). ``named``: the
     start of the fix where two axes may be one (:func:`one_name_hint`); ``dynamo``: why the dynamo exporter
-    failed, where the graph is the TorchScript exporter's (:func:`_fell_back`, :func:`_dynamo_hint`)."""
+    failed, where the graph is the TorchScript exporter's (:func:`_fell_back`, :func:`_dynamo_hint`); ``worked``:
+    sizes the graph computed the model at, which the fix offers where no line of the user's code fixed the size
+    (:func:`_library_fix`)."""
     ties = f", or its integer outputs {indices} index scores that tie there (top-k, argmax), which runtimes order apart"
     return ModelError(
         f"the exported graph does not compute the model {where}: the exporter fixed a size that "
@@ -129,12 +137,39 @@ def _fixed_size_error(where: str, line: str, indices: list[str], tie: str, named
         hint=_dynamo_hint(dynamo)
         + (f"if {indices} are indices of tied scores, {tie}; else " if indices else "")
         + named
-        + (
-            BRANCH_FIX + "; or give signature.shapes sizes on one side of the branch only"
-            if size_branch(line)
-            else FIXED_SIZE_HINT
-        ),
+        + _size_fix(line, worked),
     )
+
+
+def _size_fix(line: str, worked: dict[str, list[int]]) -> str:
+    """The fix for a size the exporter fixed at ``line`` of the user's code: the branch on it made unconditional
+    where that line is one (:func:`size_branch`), the size kept a tensor shape otherwise, and sizes where the graph
+    computes the model (``worked``) where no line of the user's was found (:func:`_library_fix`)."""
+    if size_branch(line):
+        return BRANCH_FIX + "; or give signature.shapes sizes on one side of the branch only"
+    return FIXED_SIZE_HINT if line else _library_fix(worked)
+
+
+def _library_fix(worked: dict[str, list[int]]) -> str:
+    """The fix where no line of the user's code fixed the size: a library's module may have (a ``transformers``
+    model's ``if width % patch != 0:`` pad, which its user cannot edit), so sizes on the side of its branch where
+    the graph computes the model (``worked``) come first, then the fix for the user's own code."""
+    listed = "{" + ", ".join(f"{k}: {v}" for k, v in worked.items()) + "}"
+    return (
+        "no line of your code fixed it, so a library's module may have (a branch on the size, as a pad where "
+        "width % patch != 0): give signature.shapes sizes on the side of that branch where the graph computes the "
+        f"model, e.g. {listed} (where it does); else, in your own code, {FIXED_SIZE_HINT}"
+    )
+
+
+def _worked_sizes(own: dict[str, int], passed: list[dict[str, int]]) -> dict[str, list[int]]:
+    """Sizes of each axis to give signature.shapes where the graph computed the model: the data's own (``own``,
+    which the parity check passed), with those of the points the size check passed (``passed``) where every point
+    the later stages would then run (:func:`kiln.core.shapes.shape_points`) is one of those."""
+    sizes = {k: sorted({v, *(p[k] for p in passed if k in p)}) for k, v in own.items()}
+    if all(p == own or p in passed for p in shape_points(sizes)):
+        return sizes
+    return {k: [v] for k, v in own.items()}
 
 
 def _fell_back(dynamo: str) -> str:

@@ -6,13 +6,12 @@ exporters, they know the graph."""
 
 from __future__ import annotations
 
-import io
 import logging
 import re
 import traceback
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
+from collections.abc import Mapping
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,9 @@ from kiln.core.outputs import FlatModel, named_outputs
 from kiln.core.text import first_line, root_cause
 from kiln.core.user_errors import is_user_file, user_frame, where
 from kiln.stages.export.graph_inputs import refuse_label_outputs, warn_unused_inputs
+from kiln.stages.export.pinned_sizes import BRANCH_FIX, FIXED_SIZE_HINT, pinned_at, size_branch
+from kiln.stages.export.quiet import quiet_torch
+from kiln.stages.export.torch_dims import restore_axis_names, torch_dims
 
 log = logging.getLogger("kiln.export")
 
@@ -93,7 +95,7 @@ def export_with_fallback(
             if not lost:
                 break
             # torch.export may specialise an axis it was told is dynamic (an nn.GRU's length), without an error
-            raise ValueError(f"it fixed {', '.join(lost)}, which signature.dynamic_axes makes dynamic")
+            raise ValueError(f"{_FIXED_AXES}{', '.join(lost)}, which signature.dynamic_axes makes dynamic")
         except Exception as exc:  # the exporter raises many types; keep the message for the user
             interrupt.check()  # a Ctrl-C that landed inside the exporter's imports came out as another error
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {error_reason(exc)}")
@@ -101,11 +103,11 @@ def export_with_fallback(
                 validation, refused = _in_distributions(exc), error_reason(exc)
                 log.warning("dynamo exporter failed: %s; trying the TorchScript exporter", refused)
     else:
-        raise ExportFailed("torch.onnx.export failed: " + " | ".join(errors), hint=_export_failed_hint(errors, opset))
+        raise _export_failed(model, example, errors, opset, axes)
     if fixed:
         refuse_traced_branch(fixed, errors, validation)
     proto = load_onnx(path)
-    _restore_axis_names(proto.graph, {d for a in axes.values() for d in a.values()})
+    restore_axis_names(proto.graph, {d for a in axes.values() for d in a.values()})
     name_io(proto.graph, dict(zip(ins, names)), outputs)
     refuse_label_outputs(proto.graph, shapes, rows(example))
     warn_unused_inputs(proto.graph)
@@ -265,54 +267,15 @@ def _export(
         kw["dynamic_axes"] = {n: a for n, a in axes.items() if a} | {
             o: {0: "batch"} for o in outputs if any(0 in a for a in axes.values())
         }
-    with quiet_torch(), warnings.catch_warnings(record=True) as said:
+    # autograd stays on (under no_grad an nn.TransformerEncoderLayer in eval mode takes its fused fast path,
+    # aten::_transformer_encoder_layer_fwd, which neither exporter writes), except for complex weights, whose
+    # autograd refuses ops (slice_scatter) before the exporter reaches what it cannot write: complex values
+    grad = torch.no_grad() if any(t.is_complex() for t in model.parameters()) else nullcontext()
+    with quiet_torch(), warnings.catch_warnings(record=True) as said, grad:
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", torch.jit.TracerWarning)
         torch.onnx.export(model, args, str(path), **kw)
     return list(dict.fromkeys(place for w in said if (place := _traced_value(w))))
-
-
-def _dim_names(labels: Iterable[str]) -> dict[str, str]:
-    """Axis name -> the name its ``torch.export.Dim`` gets, which must be a Python identifier: an identifier as it
-    is, another name with each other character as ``_`` (``seq-len`` -> ``seq_len``; ``2d`` -> ``d_2d``), kept apart
-    from every other name. ``signature.dynamic_axes`` may name an axis anything; the graph's axes get those names
-    back (:func:`_restore_axis_names`)."""
-    labels = sorted(set(labels))
-    out = {label: label for label in labels if label.isidentifier()}
-    taken = set(out)
-    for label in labels:
-        if label in out:
-            continue
-        base = re.sub(r"\W", "_", label)
-        base = base if base[:1].isalpha() or base[:1] == "_" else f"d_{base}"
-        name = next(n for k in range(len(taken) + 1) if (n := f"{base}_{k}" if k else base) not in taken)
-        out[label] = name
-        taken.add(name)
-    return out
-
-
-def torch_dims(labels: Iterable[str]) -> dict[str, Any]:
-    """Axis name -> its ``torch.export.Dim`` (:func:`_dim_names`): sizes from 1, the batch's at most 65536."""
-    names = _dim_names(labels)
-    return {
-        label: torch.export.Dim(name, min=1, max=65536) if label == "batch" else torch.export.Dim(name, min=1)
-        for label, name in names.items()
-    }
-
-
-def _restore_axis_names(graph: onnx.GraphProto, labels: Iterable[str]) -> None:
-    """The names ``signature.dynamic_axes`` gives its axes (``labels``) back in the graph's inputs, outputs and value
-    infos where the dynamo exporter wrote the identifiers :func:`_dim_names` gave them instead (``seq_len`` for
-    ``seq-len``, also inside a size it derived: ``seq_len - 6``), so the file declares the axes by the config's
-    names as the TorchScript exporter's does."""
-    renamed = {name: label for label, name in _dim_names(labels).items() if name != label}
-    if not renamed:
-        return
-    found = re.compile(r"\b(" + "|".join(map(re.escape, renamed)) + r")\b")
-    for value in (*graph.input, *graph.output, *graph.value_info):
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param:
-                dim.dim_param = found.sub(lambda m: renamed[m.group(1)], dim.dim_param)
 
 
 # The TorchScript tracer's warning where Python code reads a tensor's value (``if x.sum() > 0``, ``.item()``,
@@ -393,55 +356,61 @@ class ExportFailed(ModelError):
     """Both exporters failed on the model."""
 
 
-@contextmanager
-def quiet_torch() -> Iterator[None]:
-    """The exporter prints progress chatter and warns about optional torchvision ops, and torch.export prints the
-    graph it failed on to stderr (twice) and logs the symbol it could not place: keep the user's console clean,
-    the failure's own message says why (what was said goes to the debug log, which --verbose shows)."""
-    quiet = [logging.getLogger(n) for n in ("torch.onnx", SHAPES_LOG)]
-    levels = [q.level for q in quiet]
-    for q in quiet:
-        q.setLevel(logging.ERROR)
-    said = io.StringIO()
-    try:
-        with warnings.catch_warnings(), redirect_stdout(said), redirect_stderr(said), _no_torchscript_log():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for q, level in zip(quiet, levels):
-            q.setLevel(level)
-        if said.getvalue().strip():  # what the exporter, or the model's own prints, said meanwhile: --verbose
-            log.debug("while exporting:\n%s", said.getvalue())
+def _export_failed(
+    model: nn.Module, example: Inputs, errors: list[str], opset: int, axes: Mapping[str, Mapping[int, str]]
+) -> ExportFailed:
+    """The error where both exporters failed (``errors``: each one's reason), with the fix
+    (:func:`_export_failed_hint`): where the dynamo exporter's one failure was fixing ``axes`` that vary, the
+    line of the user's code it fixed them at (:func:`kiln.stages.export.pinned_sizes.pinned_at`), since the
+    TorchScript exporter tried next fails for a reason of its own (an op it cannot write)."""
+
+    fixed = f"dynamo exporter: {_FIXED_AXES}"
+    line = pinned_at(model, example, axes) if any(e.startswith(fixed) for e in errors) else ""
+    said = " | ".join(f"{e} (in {line})" if line and e.startswith(fixed) else e for e in errors)
+    complex_values = _complex_values(model, errors)
+    if complex_values:
+        said += f"; ONNX has no complex tensors, and the model computes with {complex_values}"
+    return ExportFailed(
+        "torch.onnx.export failed: " + said, hint=_export_failed_hint(errors, opset, line, complex_values)
+    )
 
 
-SHAPES_LOG = "torch.fx.experimental.symbolic_shapes"
+# How the dynamo exporter's failure reads where its graph fixed an axis signature.dynamic_axes makes vary
+_FIXED_AXES = "it fixed "
 
 
-@contextmanager
-def _no_torchscript_log() -> Iterator[None]:
-    """The TorchScript exporter switches its C++ log on whatever ``verbose`` says (its check reads the function
-    ``_jit_is_onnx_log_enabled`` instead of calling it) and, when it fails, writes the whole TorchScript graph to
-    stderr ahead of Kiln's error; its switch is a no-op for the call. Without that module (another torch): as is."""
-    try:
-        from torch.onnx._internal.torchscript_exporter import utils
-    except ImportError:
-        yield
-        return
-    switch = getattr(utils, "setup_onnx_logging", None)
-    utils.setup_onnx_logging = lambda verbose: nullcontext()
-    try:
-        yield
-    finally:
-        if switch is not None:
-            utils.setup_onnx_logging = switch
+def _complex_values(model: nn.Module, errors: list[str]) -> str:
+    """The complex parameters and buffers of ``model`` (``complex weights 'w' (complex64)``), or "complex tensors"
+    where it has none but an exporter's error speaks of complex values; empty otherwise: ONNX has no complex type."""
+    held = [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_complex()]
+    if held:
+        names = ", ".join(f"'{n}' ({str(t.dtype).removeprefix('torch.')})" for n, t in held[:3])
+        return f"complex weights {names}" + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+    return "complex tensors" if any("complex" in e.lower() for e in errors) else ""
 
 
-def _export_failed_hint(errors: list[str], opset: int) -> str:
+COMPLEX_HINT = (
+    "store each complex weight as two real tensors (its real and imaginary parts: nn.Parameter(w.real), "
+    "nn.Parameter(w.imag)) and compute the complex products from them with real ops; around the FFTs turn the "
+    "spectrum into a real tensor and back with torch.view_as_real / torch.view_as_complex (torch.fft.rfft2 and "
+    "irfft2 then export as ONNX DFT)"
+)
+
+
+def _export_failed_hint(errors: list[str], opset: int, line: str = "", complex_values: str = "") -> str:
     """The fix where both exporters failed: a later opset where the exporter names the one its op came in
-    (``Support for this operator was added in version 20``: ``AffineGrid``, ``GridSample``'s modes), else an op ONNX
-    may not express."""
+    (``Support for this operator was added in version 20``: ``AffineGrid``, ``GridSample``'s modes); where the
+    dynamo exporter failed only by fixing an axis that varies, how to keep sizes symbolic (at ``line``, the user's
+    code it fixed the axis in, where found), which lets it export; where the model computes with complex values
+    (``complex_values``), their rewrite as real ones; else an op ONNX may not express."""
+
     versions = [int(v) for e in errors for v in re.findall(r"added in (?:opset )?version (\d+)", e)]
     later = max((v for v in versions if v > opset), default=None)
     if later is not None:
         return f"export at the opset that has the op: --set export.opset={later} (the config's export.opset)"
+    if any(e.startswith(f"dynamo exporter: {_FIXED_AXES}") for e in errors):
+        fix = BRANCH_FIX if size_branch(line) else FIXED_SIZE_HINT
+        return (f"in {line}, where the dynamo exporter fixed the size: " if line else "") + fix
+    if complex_values:
+        return COMPLEX_HINT
     return "the model may use an op ONNX cannot express; see the message above"
