@@ -18,6 +18,7 @@ from onnx import numpy_helper
 from kiln.core.cpu_int8 import ask_exact_int8
 from kiln.core.errors import InputFileError, KilnError, ModelError
 from kiln.core.inputs import check_batch_axis
+from kiln.core.random_ops import RANDOM_HINT, RANDOM_OPS
 from kiln.core.records import IntRange, TensorSpec, by_column, cell_text, first_outside, whole_range
 from kiln.core.text import first_line
 
@@ -155,9 +156,13 @@ def _graphs(graph: onnx.GraphProto) -> Any:
     """``graph`` and every subgraph in it (If/Loop/Scan bodies), outermost first."""
     yield graph
     for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                yield from _graphs(sub)
+        for sub in _subgraphs(node):
+            yield from _graphs(sub)
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs a node holds as attributes (an If's branches, a Loop's body)."""
+    return [sub for attr in node.attribute for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)]
 
 
 def value_names(graph: onnx.GraphProto) -> set[str]:
@@ -219,6 +224,101 @@ def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto
         if not out.type.HasField("tensor_type") or not out.type.tensor_type.HasField("shape"):
             out.type.CopyFrom(found.type)
     return model
+
+
+def random_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, list[str]]]:
+    """Each node of ``model`` (in subgraphs too) that draws new numbers on every run, with the graph outputs its
+    draws reach (none where nothing reads them). The ops of :data:`RANDOM_OPS`; a Dropout only where its
+    ``training_mode`` is true or not a constant (``F.dropout(x, p, training=True)``, which both of torch's exporters
+    write as a constant true) and its ratio is not a constant 0."""
+    constants = _constants(model.graph)
+    readers = _readers(model.graph)
+    found = []
+    for node in model.graph.node:
+        held = [n for sub in _subgraphs(node) for g in _graphs(sub) for n in g.node]
+        reached: list[str] | None = None
+        for drawing in (n for n in [node, *held] if _draws(n, constants)):
+            reached = _reached_outputs(model.graph, node, readers) if reached is None else reached
+            found.append((drawing, reached))
+    return found
+
+
+def refuse_random_graph(model: onnx.ModelProto, what: str, hint: str = RANDOM_HINT) -> None:
+    """A ModelError naming the nodes of ``model`` (``what``, in words) whose random draws reach an output
+    (:func:`random_nodes`), and those outputs: such a graph answers the same inputs otherwise on every run, so
+    each check that compares an engine with it (the optimizer's safety net, the precision fallback, validation's
+    gates) would fail it, and blame the engine."""
+    found = [(node, outputs) for node, outputs in random_nodes(model) if outputs]
+    if not found:
+        return
+    said = "; ".join(f"{_random_op(n)} '{n.name or n.output[0]}' feeds {_outputs_text(o)}" for n, o in found[:3])
+    more = f"; and {len(found) - 3} more" if len(found) > 3 else ""
+    raise ModelError(
+        f"{what} draws random numbers at inference ({said}{more}): it answers the same inputs differently from run "
+        "to run, so no engine made from it can be checked against it",
+        hint=hint,
+    )
+
+
+def _random_op(node: onnx.NodeProto) -> str:
+    return "Dropout with training_mode true" if node.op_type == "Dropout" else node.op_type
+
+
+def _outputs_text(outputs: list[str]) -> str:
+    return f"output{'s' if len(outputs) > 1 else ''} {', '.join(repr(o) for o in outputs)}"
+
+
+def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto | onnx.AttributeProto]:
+    """Every initializer (a tensor) and Constant node's value (its attribute) in ``graph`` and its subgraphs, by
+    name: read as an array by :func:`_constant_array` only where asked for."""
+    found: dict[str, onnx.TensorProto | onnx.AttributeProto] = {}
+    for g in _graphs(graph):
+        found.update((t.name, t) for t in g.initializer)
+        found.update((n.output[0], n.attribute[0]) for n in g.node if n.op_type == "Constant" and n.attribute)
+    return found
+
+
+def _constant_array(value: onnx.TensorProto | onnx.AttributeProto) -> np.ndarray:
+    if isinstance(value, onnx.AttributeProto):
+        value = onnx.helper.get_attribute_value(value)
+    return numpy_helper.to_array(value) if isinstance(value, onnx.TensorProto) else np.asarray(value)
+
+
+def _draws(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto | onnx.AttributeProto]) -> bool:
+    """Whether ``node`` draws new numbers on every run (:func:`random_nodes`)."""
+    if node.op_type not in RANDOM_OPS:
+        return False
+    if node.op_type != "Dropout":
+        return True
+    if len(node.input) < 3 or not node.input[2]:  # no training_mode: inference (opset 12+; before, always)
+        return False
+    mode, ratio = constants.get(node.input[2]), constants.get(node.input[1]) if node.input[1] else None
+    if ratio is not None and not _constant_array(ratio).any():
+        return False
+    return mode is None or bool(_constant_array(mode).any())
+
+
+def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """Value name -> the nodes of ``graph`` that read it, as an input or from inside one of their subgraphs."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        names = set(node.input).union(*(value_names(sub) for sub in _subgraphs(node))) - {""}
+        for name in names:
+            readers.setdefault(name, []).append(node)
+    return readers
+
+
+def _reached_outputs(
+    graph: onnx.GraphProto, start: onnx.NodeProto, readers: dict[str, list[onnx.NodeProto]]
+) -> list[str]:
+    """The outputs of ``graph`` that the values ``start`` writes reach through the nodes that read them."""
+    reached, todo = set(start.output) - {""}, [o for o in start.output if o]
+    while todo:
+        for node in readers.get(todo.pop(), []):
+            new = [o for o in node.output if o and o not in reached]
+            reached.update(new)
+            todo.extend(new)
+    return [o.name for o in graph.output if o.name in reached]
 
 
 # Tensor types ONNX Runtime takes from numpy arrays as external initializers.

@@ -1,7 +1,7 @@
-"""Checks of the PyTorch model on its example rows before anything is exported: a forward that answers the same
-inputs differently from call to call (random draws, buffers it updates, inputs it changes in place), float64 inputs
-to a float32 model, and outputs that hold no finite value. Each would otherwise surface later as a parity failure
-that blames the graph."""
+"""Checks of the PyTorch model on its example rows before anything is exported: float64 inputs to a float32 model,
+and outputs that hold no finite value. Each would otherwise surface later as a parity failure that blames the graph.
+A forward that answers the same inputs differently from call to call is :mod:`kiln.models.determinism`'s to refuse
+(training checks it too)."""
 
 from __future__ import annotations
 
@@ -12,24 +12,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from kiln.core.compare import max_abs_err
-from kiln.core.data import Inputs, input_names, rebuild, tensors
+from kiln.core.data import Inputs, input_names, tensors
 from kiln.core.errors import ModelError
 from kiln.core.text import first_line
 from kiln.stages.export.parity import torch_outputs
 
 log = logging.getLogger("kiln.export")
-
-
-# Two calls on the same inputs differ by more than this share of the output's largest value (or this much, for
-# outputs near zero) only where forward draws random numbers: arithmetic on one machine repeats itself exactly.
-_RANDOM_SHARE, _RANDOM_FLOOR = 1e-3, 1e-5
-
-RANDOM_HINT = (
-    "draw random numbers only in training (`if self.training:`; F.dropout(x, p, training=self.training)), and "
-    "return the deterministic value at inference (a VAE's mean, mu): engines are checked by comparing their "
-    "outputs with the model's, which draws of their own make impossible"
-)
 
 
 def warn_wide_inputs(model: nn.Module, x: Inputs) -> None:
@@ -47,66 +35,6 @@ def warn_wide_inputs(model: nn.Module, x: Inputs) -> None:
             "needs float64",
             wide,
         )
-
-
-def refuse_random(model: nn.Module, x: Inputs) -> None:
-    """A model that answers the same inputs differently from call to call in eval mode is an error naming why,
-    before the export: its export parity, the optimizer's safety net and validation would each fail on it, or read
-    it as a model whose rows depend on their batch, and blame something else. Why: buffers forward updates (a state
-    kept from call to call), inputs it changes in place, or else random draws (``torch.randn_like`` in a VAE's
-    forward, ``F.dropout(x, p, training=True)``). Two forwards of the export's example rows, each on a copy of them
-    (the data is not changed)."""
-    copy = lambda: rebuild(x, [t.clone() for t in tensors(x)])  # noqa: E731
-    given = copy()
-    first = torch_outputs(model, given)
-    if not all(_same(a, b) for a, b in zip(tensors(given), tensors(x))):
-        raise ModelError(
-            "the model's forward changes its inputs in place (x.mul_(...), x /= 255): the export, the parity check "
-            "and validation would each see other inputs than the data's",
-            hint="compute on new tensors (x = x / 255), not in place on the inputs",
-        )
-    buffers = {k: b.clone() for k, b in model.named_buffers()}
-    second = torch_outputs(model, copy())
-    moved = _moved_output(first, second)
-    if moved is None:
-        return
-    said = f"the model answers the same inputs differently from call to call in eval mode ({moved})"
-    updated = [k for k, b in model.named_buffers() if k in buffers and not _same(b, buffers[k])]
-    if updated:
-        raise ModelError(
-            f"{said}: its forward updates buffers ({', '.join(updated[:3])}{', ...' if len(updated) > 3 else ''}), a "
-            "state kept from call to call",
-            hint="update state only in training (`if self.training:`), or pass it in and return it as tensors: an "
-            "engine keeps no state between calls",
-        )
-    raise ModelError(
-        f"{said}: its forward draws random numbers (torch.randn_like, torch.rand, F.dropout with training=True)",
-        hint=RANDOM_HINT,
-    )
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal tensors, NaN equal to NaN."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return bool(torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
-
-
-def _moved_output(first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> str | None:
-    """The first output that differs between two calls beyond arithmetic's repetition, in words; None if none."""
-    for name, a in first.items():
-        b = second[name]
-        if a.shape != b.shape:
-            return f"output '{name}': shape {a.shape}, then {b.shape}"
-        if a.dtype.kind != "f":
-            if not np.array_equal(a, b):
-                return f"output '{name}': {int(np.sum(a != b))} of {a.size} values"
-            continue
-        err = max_abs_err(a, b)
-        finite = np.abs(a[np.isfinite(a)])
-        if err > max(_RANDOM_FLOOR, _RANDOM_SHARE * (float(finite.max()) if finite.size else 0.0)):
-            return f"output '{name}': by up to {err:.3g}"
-    return None
 
 
 def nothing_finite(ref: Mapping[str, np.ndarray]) -> list[str]:

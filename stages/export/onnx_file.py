@@ -27,8 +27,10 @@ from kiln.core.onnx_io import (
     ort_run,
     ort_session,
     outside_index,
+    refuse_random_graph,
     save_onnx,
 )
+from kiln.core.random_ops import RANDOM_HINT
 from kiln.core.text import first_line
 from kiln.stages.export.declaration import ExportSummary
 from kiln.stages.export.parity import torch_outputs
@@ -39,9 +41,12 @@ log = logging.getLogger("kiln.export")
 def take_onnx(src: Path, path: Path) -> ExportSummary:
     """``model.onnx``: the user's file in place of an export, checked and shape-inferred like one. A file whose batch
     axis is a number (published files often fix it at 1) gets a symbolic one, once the graph is shown to compute the
-    same rows at twice that batch (:func:`free_checked`): the batch sizes are the run's to choose."""
+    same rows at twice that batch (:func:`free_checked`): the batch sizes are the run's to choose. A graph whose
+    outputs are random draws is refused first (:func:`kiln.core.onnx_io.refuse_random_graph`): every check after
+    would compare two runs of it and blame the batch, the precision or the engine."""
     proto = load_onnx(src)
     check_tensor_io(proto, f"model.onnx {src.name}")
+    refuse_random_graph(proto, f"model.onnx {src.name}", hint=f"{RANDOM_HINT}; then export {src.name} again")
     fixed = fixed_batch(proto)
     proto = free_checked(proto, src, *fixed) if fixed else infer_shapes(proto, strict=False)
     save_onnx(proto, path)

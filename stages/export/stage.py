@@ -15,9 +15,10 @@ from typing import Any
 from kiln.core.artifacts import ensure_writable
 from kiln.core.data import feed_for_graph, fixed_columns, integer_ranges, rows, take
 from kiln.core.errors import ConfigError, KilnError
-from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, ort_session
+from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, ort_session, refuse_random_graph
 from kiln.core.shapes import graph_axes
 from kiln.core.stage import StageContext
+from kiln.models.determinism import refuse_random
 from kiln.models.model_io import (
     load_trained,
     load_weights,
@@ -30,7 +31,7 @@ from kiln.models.registry import build_model
 from kiln.stages.export.batch_axes import tie_batch_axes
 from kiln.stages.export.declaration import AXIS_STEPS, DYNAMIC_SIZES, INT_RANGES, ExportSettings, ExportSummary
 from kiln.stages.export.input_specs import direct_example, example_source, parse_input_shapes
-from kiln.stages.export.model_checks import refuse_nothing_finite, refuse_random, warn_wide_inputs
+from kiln.stages.export.model_checks import refuse_nothing_finite, warn_wide_inputs
 from kiln.stages.export.onnx_file import refuse_other_output_names, refuse_outside_index, take_onnx
 from kiln.stages.export.other_axes import tie_other_axes
 from kiln.stages.export.output_axes import name_output_axes
@@ -96,6 +97,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     refuse_random(model, example)
     warn_wide_inputs(model, example)
     proto, dynamo = export_at_sizes(model, example, path, cfg.opset, data, axes, ctx.config.signature.shapes)
+    refuse_random_graph(proto, f"the exported graph {path.name}")  # draws too small for refuse_random to see
     session = ort_session(path)  # for the parity check and the output-axis probe
     check = batch_parity(model, path, example, x, cfg.parity_atol, session, cfg.parity_rtol)
     require_parity(check, cfg.parity_atol, cfg.parity_rtol, f"{path.name}, on the data's first {check['samples']} rows")
@@ -173,6 +175,7 @@ def export_direct(
     proto, dynamo = export_with_fallback(
         model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.signature.dynamic_axes
     )
+    refuse_random_graph(proto, f"the exported graph {output.name}")  # draws too small for refuse_random to see
     atol, rtol = cfg.export.parity_atol, cfg.export.parity_rtol
     session = ort_session(output)
     if cfg.export.dynamic_batch:  # at another batch too: a graph that holds the traced one gets those rows right

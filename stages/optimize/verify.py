@@ -29,13 +29,13 @@ from kiln.core.onnx_io import (
     light_model,
     model_bytes,
     ort_session,
+    random_nodes,
     session_options,
 )
 from kiln.core.records import IntRange, by_column, whole_range
 from kiln.core.shapes import two_sizes
 from kiln.core.text import short_reason
 from kiln.stages.optimize.config import OptimizeConfig
-from kiln.stages.optimize.passes.util import RANDOM_OPS
 
 log = logging.getLogger("kiln.optimize")
 _CHECK_LIMIT = 1_800_000_000  # bytes: the checker needs the model in memory, as one protobuf (capped at 2 GB)
@@ -152,19 +152,6 @@ def run_ort(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, np
     return _run(_session(model), feed)
 
 
-def _training_dropout(model: onnx.ModelProto, node: onnx.NodeProto) -> bool:
-    """A Dropout that drops at inference: its ``training_mode`` input (opset 12+) true, or not a constant (an
-    exported ``F.dropout(x, p, training=True)`` writes a constant true)."""
-    if node.op_type != "Dropout" or len(node.input) < 3 or not node.input[2]:
-        return False
-    name = node.input[2]
-    value = next((t for t in model.graph.initializer if t.name == name), None)
-    if value is None:
-        made = next((n for n in model.graph.node if name in n.output and n.op_type == "Constant"), None)
-        value = next((a.t for a in made.attribute if a.name == "value"), None) if made is not None else None
-    return value is None or bool(onnx.numpy_helper.to_array(value).any())
-
-
 class Verifier:
     """Holds the original model's outputs on fixed random inputs; ``check`` compares a candidate to them."""
 
@@ -194,11 +181,8 @@ class Verifier:
         self.check_graph = _passes_checker(_checkable(model))
         if not self.check_graph:
             log.warning("the input model fails the ONNX checker; passes are verified by running them only")
-        # Dropout is deterministic at inference (and eliminate_noop removes it) unless its training_mode is set;
-        # the others draw on every run.
-        self.random = any(
-            n.op_type in RANDOM_OPS - {"Dropout"} or _training_dropout(model, n) for n in model.graph.node
-        )
+        # a Dropout only where its training_mode is set: at inference it is a no-op that eliminate_noop removes
+        self.random = bool(random_nodes(model))
         if self.random:
             log.warning("the model has random ops: the safety net can compare only output shapes and types")
 

@@ -36,6 +36,7 @@ from kiln.core.progress import Progress
 from kiln.core.stage import StageContext
 from kiln.core.text import first_line, fmt
 from kiln.core.user_errors import running_user_code, user_code_error, user_frame, where
+from kiln.models.determinism import refuse_random
 from kiln.models.model_io import keep_trained, load_weights, read_state_dict, save_trained, torch_model_named
 from kiln.models.registry import build_model
 from kiln.stages.train.checkpoint import run_key
@@ -338,7 +339,8 @@ def check_model_fits_data(
     fit the model fails with a clear message
     before training starts (and not as a traceback from deep inside the loop); ``signature.logits_output`` is one
     of its outputs (a misspelt name was said only at the precision stage, after training, with a loss of the
-    user's that never reads it)."""
+    user's that never reads it); and that the model answers the same rows alike from call to call in eval mode
+    (:func:`~kiln.models.determinism.refuse_random`), which the export would refuse only after the training."""
     check_fp32(model, model_ref)
     x = take(data.train_x if rows(data.train_x) else data.val_x, slice(0, probe_rows))
     check_forward_takes(model, x, model_ref)
@@ -349,6 +351,7 @@ def check_model_fits_data(
     if logits_output is not None:
         logits_name(list(outputs), logits_output)  # a ConfigError naming the outputs where it is none of them
     _refuse_labels_in_inputs(model, x, outputs)
+    _refuse_random_in_eval(model, x)
     y = data.train_y if data.train_y is not None else data.val_y
     if task is not None and y is not None:
         check_task(task, out, y[:probe_rows], data.num_classes, model_ref, _lacks_decoder_inputs(model, x))
@@ -383,6 +386,15 @@ def _probe(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, lookup
         if err is None:
             raise
         raise err from exc
+    finally:
+        model.train()
+
+
+def _refuse_random_in_eval(model: nn.Module, x: Any) -> None:
+    """:func:`~kiln.models.determinism.refuse_random` on the probe rows ``x`` in eval mode, the mode the export and
+    every engine compute in; the model is left in training mode, as :func:`_probe` leaves it."""
+    try:
+        refuse_random(model.eval(), x)
     finally:
         model.train()
 

@@ -13,12 +13,14 @@ from kiln.core.errors import InputError, InputFileError, KilnError
 from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, rows_per_call, run_batched
 from kiln.core.inputs import check_batch_axis, random_inputs, recorded_sizes
 from kiln.core.labels import padding_ties, without_padding
-from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
+from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session, refuse_random_graph
 from kiln.core.outputs import SINGLE_OUTPUT, host_arrays, logits_name, named_outputs
+from kiln.core.random_ops import RANDOM_HINT
 from kiln.core.records import EngineMetadata, EngineValidation, steps_text, takes_size
 from kiln.core.shapes import graph_axes
 from kiln.core.text import FEATURE_NAMES, short_reason
 from kiln.core.user_errors import out_of_memory, running_user_code
+from kiln.models.determinism import refuse_random
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
 from kiln.stages.accuracy.check import compare_all, direct_top1, gates_for, summarize
@@ -70,8 +72,10 @@ def reference_outputs(
             return host_arrays(named_outputs(model, next(iter(x.values())) if len(x) == 1 else x))
 
         doing = "running the reference model on the engine's inputs"
+        first = {k: torch.from_numpy(v[:2]) for k, v in feed.items()}
         try:
             with torch.inference_mode(), running_user_code(doing, f"reference {reference.name}", OTHER_MODEL, True):
+                refuse_random(model, next(iter(first.values())) if len(first) == 1 else first)
                 return run_batched(run, feed, batch)
         except KilnError:
             raise
@@ -109,6 +113,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     the reference too, so every row is compared, and its latency is that batch's. Its headline values are over the
     outputs its gates hold (``validate.gates.gated_outputs``), as the stage's are."""
     meta = read_metadata(engine_dir)
+    _refuse_random_graphs(engine_dir, meta, reference)
     # An engine whose inputs share no batch axis (one built before Kiln refused such graphs): said as what it is, not
     # as the row counts of a feed or as inputs of another model
     check_batch_axis(meta.inputs, f"engine {engine_dir.name}")
@@ -159,6 +164,20 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     entry.passed = not entry.failures
     entry.hints = [NO_FINITE_FIX] if unmeasured else []
     return entry
+
+
+def _refuse_random_graphs(engine_dir: Path, meta: EngineMetadata, reference: Path) -> None:
+    """An ONNX ``reference``, and the engine's graph where it is one (ONNX Runtime's), refused where random draws
+    reach their outputs (:func:`kiln.core.onnx_io.refuse_random_graph`): ONNX Runtime seeds each session alike, so
+    a random engine would pass against its own random graph, and a deterministic one fail against a random
+    reference with the gates blamed."""
+    graphs = [(reference, f"reference {reference.name}")] if reference.suffix == ".onnx" else []
+    engine = engine_dir / meta.files.get("model", "")
+    if engine.suffix == ".onnx" and engine.is_file():
+        graphs.append((engine, f"engine {engine_dir.name} ({engine.name})"))
+    for path, what in graphs:
+        hint = f"{RANDOM_HINT}; then export the model again, and build and validate the engine from that graph"
+        refuse_random_graph(load_onnx(path, load_external_data=False), what, hint=hint)
 
 
 def _named_sizes(meta: EngineMetadata, feed: dict[str, np.ndarray]) -> dict[str, int]:

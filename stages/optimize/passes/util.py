@@ -7,14 +7,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kiln.core.lazy import lazy_import
+from kiln.core.random_ops import RANDOM_OPS as RANDOM_OPS  # ops the passes never fold into constants nor merge
 
 gs = lazy_import("onnx_graphsurgeon")  # loaded when a pass first runs, not when the config is read
-
-
-# Ops that draw new numbers on every run: never folded into constants, never merged as duplicates.
-RANDOM_OPS = frozenset(
-    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
-)
 
 
 def const(t: gs.Tensor | None) -> np.ndarray | None:

@@ -1,0 +1,90 @@
+"""Whether a PyTorch model answers the same inputs alike from call to call in eval mode: every engine is checked by
+comparing its outputs with the model's, which a forward that draws random numbers, keeps state between calls or
+changes its inputs in place makes impossible. Here, below the stages, so that training checks it before it trains and
+the export before it exports (a run from a checkpoint trains nothing)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from kiln.core.compare import max_abs_err
+from kiln.core.data import Inputs, rebuild, tensors
+from kiln.core.errors import ModelError
+from kiln.core.outputs import host_arrays, named_outputs
+from kiln.core.random_ops import RANDOM_HINT
+
+# Two calls on the same inputs differ by more than this share of the output's largest value (or this much, for
+# outputs near zero) only where forward draws random numbers or keeps state: arithmetic on one machine repeats
+# itself exactly.
+_RANDOM_SHARE, _RANDOM_FLOOR = 1e-3, 1e-5
+
+
+def refuse_random(model: nn.Module, x: Inputs) -> None:
+    """A model that answers the same inputs differently from call to call in eval mode is an error naming why,
+    before the export: its export parity, the optimizer's safety net and validation would each fail on it, or read
+    it as a model whose rows depend on their batch, and blame something else. Why: buffers forward updates (a state
+    kept from call to call), inputs it changes in place, or else random draws (``torch.randn_like`` in a VAE's
+    forward, ``F.dropout(x, p, training=True)``) or a state kept in a plain attribute (``self.calls += 1``), which
+    two calls cannot tell apart. Two forwards of the rows ``x``, each on a copy of them (the data is not changed);
+    small random draws may pass here, and the exported graph's random ops are checked on their own
+    (:func:`kiln.core.onnx_io.refuse_random_graph`)."""
+    copy = lambda: rebuild(x, [t.clone() for t in tensors(x)])  # noqa: E731
+    given = copy()
+    first = _outputs(model, given)
+    if not all(_same(a, b) for a, b in zip(tensors(given), tensors(x))):
+        raise ModelError(
+            "the model's forward changes its inputs in place (x.mul_(...), x /= 255): the export, the parity check "
+            "and validation would each see other inputs than the data's",
+            hint="compute on new tensors (x = x / 255), not in place on the inputs",
+        )
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    second = _outputs(model, copy())
+    moved = _moved_output(first, second)
+    if moved is None:
+        return
+    said = f"the model answers the same inputs differently from call to call in eval mode ({moved})"
+    updated = [k for k, b in model.named_buffers() if k in buffers and not _same(b, buffers[k])]
+    if updated:
+        raise ModelError(
+            f"{said}: its forward updates buffers ({', '.join(updated[:3])}{', ...' if len(updated) > 3 else ''}), a "
+            "state kept from call to call",
+            hint="update state only in training (`if self.training:`), or pass it in and return it as tensors: an "
+            "engine keeps no state between calls",
+        )
+    raise ModelError(
+        f"{said}: its forward draws random numbers (torch.randn_like, torch.rand, F.dropout with training=True), or "
+        "keeps a state from call to call in an attribute (self.calls += 1)",
+        hint=f"{RANDOM_HINT}; keep no state between calls (pass it in and return it as tensors: an engine keeps none)",
+    )
+
+
+def _outputs(model: nn.Module, x: Inputs) -> dict[str, np.ndarray]:
+    """The model's outputs on ``x`` by name, as the export's reference computes them."""
+    with torch.no_grad():
+        return host_arrays(named_outputs(model, x))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal tensors, NaN equal to NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
+
+
+def _moved_output(first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> str | None:
+    """The first output that differs between two calls beyond arithmetic's repetition, in words; None if none."""
+    for name, a in first.items():
+        b = second[name]
+        if a.shape != b.shape:
+            return f"output '{name}': shape {a.shape}, then {b.shape}"
+        if a.dtype.kind != "f":
+            if not np.array_equal(a, b):
+                return f"output '{name}': {int(np.sum(a != b))} of {a.size} values"
+            continue
+        err = max_abs_err(a, b)
+        finite = np.abs(a[np.isfinite(a)])
+        if err > max(_RANDOM_FLOOR, _RANDOM_SHARE * (float(finite.max()) if finite.size else 0.0)):
+            return f"output '{name}': by up to {err:.3g}"
+    return None
