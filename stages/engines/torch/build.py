@@ -12,14 +12,15 @@ caches (:mod:`.program`), so serving starts from the tuned kernels. It is what `
 (whose linear-layer and convolution rewrites, :mod:`.gemm_epilogues` and :mod:`.conv_epilogues`, a package cannot
 hold) and where a package fails to compile or to load.
 
-Inputs and outputs keep the ONNX graph's names, order and dtypes (the engine casts to FP16 inside), so validation,
-serving and Triton's Python backend treat it like any other engine. FP8 and INT8 engines (GPU only) run their linear
-layers as low-precision GEMMs (:mod:`.lowbit`), the rest in float16; the CPU's INT8
-engines are ONNX Runtime's, from the calibrated graphs.
+Inputs and outputs keep the ONNX graph's names, order and dtypes (the engine casts float32 inputs to FP16 inside;
+float64 and integer inputs reach the model as they come), so validation, serving and Triton's Python backend treat it
+like any other engine. FP8 and INT8 engines (GPU only) run their linear layers as low-precision GEMMs (:mod:`.lowbit`),
+the rest in float16; the CPU's INT8 engines are ONNX Runtime's, from the calibrated graphs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -142,11 +143,14 @@ def _measures(cfg: TorchConfig, device: str, precision: str, mode: str) -> bool:
     return False
 
 
-def _served(model: Any, names: list[str], precision: str, channels_last: bool) -> Any:
-    """The model as the engine runs it: inputs as the ONNX graph declares them (FP32, in its order), cast to the
-    engine's precision and memory format inside, and passed as the export passed them (by name for a dict's keys or
-    the forward's parameters); outputs flattened as the ONNX export flattened them (a tuple, dict or
-    ``ModelOutput`` to its tensors, :func:`kiln.core.outputs.flatten_outputs`), back in FP32."""
+def _served(model: Any, names: list[str], precision: str, channels_last: bool, autocast: str | None = None) -> Any:
+    """The model as the engine runs it: inputs as the ONNX graph declares them (in its order), float32 ones cast to
+    the engine's precision and every input to its memory format inside, and passed as the export passed them (by
+    name for a dict's keys or the forward's parameters); outputs flattened as the ONNX export flattened them (a
+    tuple, dict or ``ModelOutput`` to its tensors, :func:`kiln.core.outputs.flatten_outputs`), those in the engine's
+    precision back in FP32. Inputs of other dtypes (float64 coordinates a model centres before its own cast,
+    integers, a uint8 image) reach the model unchanged: cast, they would lose what the model keeps them for.
+    ``autocast``: the device type to run the model under ``torch.autocast`` on (:func:`_autocast_reason`)."""
     import torch
 
     dtype = _dtype(precision)
@@ -158,13 +162,57 @@ def _served(model: Any, names: list[str], precision: str, channels_last: bool) -
             self.model = model
 
         def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            xs = tuple(x.to(dtype) if x.is_floating_point() else x for x in xs)
+            xs = tuple(x.to(dtype) if x.dtype == torch.float32 else x for x in xs)
             if channels_last:
                 xs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in xs)
-            out = self.model(**dict(zip(names, xs))) if keywords else self.model(*xs)
-            return tuple(o.float() if o.is_floating_point() else o for o in flatten_outputs(out).values())
+            with torch.autocast(autocast, dtype=dtype) if autocast else contextlib.nullcontext():
+                out = self.model(**dict(zip(names, xs))) if keywords else self.model(*xs)
+            return tuple(o.float() if o.dtype == dtype else o for o in flatten_outputs(out).values())
 
     return Served()
+
+
+def _autocast_reason(model: Any, req: BuildRequest, args: tuple[Any, ...]) -> str | None:
+    """Why a float16 engine's model runs under ``torch.autocast``: None where it runs with its weights in float16 on
+    the example inputs (every model of a float32 engine), else the error it gave, once it runs under autocast.
+
+    A forward that makes float32 tensors itself (a uint8 image's ``x.float() / 255``, float64 coordinates centred
+    and then cast with ``.float()``) meets float16 weights and fails ("Input type (float) and bias type
+    (c10::Half) should be the same"). Such a model still makes a float16 engine: under autocast the weights stay
+    float16 (cast once, here, not at every call) and autocast casts the float32 tensors to float16 at each
+    convolution and matrix multiply, as the plain engine computes them; its float32 ops (softmax, normalization)
+    run in float32. Skipping the engine would leave every model that normalizes its own inputs without one. A model
+    that fails under autocast too is a :class:`BuildError` naming both errors: the stage skips the engine, reported
+    with the reason."""
+    import torch
+
+    if _dtype(req.precision) == torch.float32:
+        return None
+    names = [i.name for i in req.inputs]
+    failed = _fails(_served(model, names, req.precision, False), args)
+    if failed is None:
+        return None
+    again = _fails(_served(model, names, req.precision, False, autocast=req.device), args)
+    if again is not None:
+        raise BuildError(
+            f"the model does not run with its weights in float16 ({failed}), nor under torch.autocast ({again})",
+            hint="cast inside forward to the weights' dtype (x.to(self.conv.weight.dtype)), or use the ONNX engines "
+            "of this precision",
+        )
+    log.warning("engine %s: with float16 weights the model failed (%s); it runs under torch.autocast", req.name, failed)
+    return failed
+
+
+def _fails(served: Any, args: tuple[Any, ...]) -> str | None:
+    """The error ``served`` gives on ``args``, or None where it runs."""
+    import torch
+
+    try:
+        with torch.inference_mode():
+            served(*args)
+    except Exception as exc:  # a dtype mismatch, or whatever this model raises: the caller says which engine
+        return f"{type(exc).__name__}: {first_line(exc, 300)}"
+    return None
 
 
 AXIS_HINT = "name every dynamic axis besides the batch in signature.dynamic_axes (the torch backend exports with them)"
@@ -227,9 +275,11 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     model = model.to(req.device, dtype=_dtype(req.precision))
     feed = random_inputs(req.inputs, batch=2, dynamic=_example_sizes(req), hint=AXIS_HINT)
     args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
+    if reason := _autocast_reason(model, req, args):
+        settings.update(autocast=True, autocast_reason=reason)
     if req.precision in LOWBIT:  # the linear layers as FP8/INT8 GEMMs, the rest in float16
         _lowbit_device(req)
-        settings.update(_lowbit(model, req, args))
+        settings.update(_lowbit(model, req, args, req.device if settings.get("autocast") else None))
     # (epilogues with flavour aotinductor: refused by TorchConfig itself; their custom ops need the compiled one)
     package_first = req.settings.flavour == "aotinductor" or (
         req.settings.flavour == "auto"
@@ -269,17 +319,17 @@ def _lowbit_device(req: BuildRequest) -> None:
         raise BuildError(why, hint=f"build {req.precision.upper()} engines on a GPU with compute capability {need}")
 
 
-def _lowbit(model: Any, req: BuildRequest, args: tuple[Any, ...]) -> dict[str, Any]:
+def _lowbit(model: Any, req: BuildRequest, args: tuple[Any, ...], autocast: str | None = None) -> dict[str, Any]:
     """Swap the model's linear layers for FP8/INT8 GEMMs where this GPU and the kernel take them
     (:func:`kiln.stages.engines.torch.lowbit.to_lowbit`), scaled as ``build.torch.lowbit_scaling`` says; ``auto``
     takes the first of static (where calibration data came with the request), tensorwise and rowwise whose outputs
     keep a cosine of :data:`AUTO_MIN_COSINE` to the unquantized model's on the first calibration batch (else the
     example); while they miss it, the layers with the largest own error stay in float16
     (:func:`kiln.stages.engines.torch.lowbit.fit`). With ``build.torch.merge_linears``, layers that read the same
-    tensor become one GEMM. Returns what was swapped, for the builder settings."""
+    tensor become one GEMM. ``autocast``: as :func:`_served`'s. Returns what was swapped, for the builder settings."""
     import torch
 
-    served = _served(model, [i.name for i in req.inputs], req.precision, False)
+    served = _served(model, [i.name for i in req.inputs], req.precision, False, autocast)
     batches = _calibration(req)
     seen = observe(model, [lambda xs=xs: served(*xs) for xs in [args, *batches]], batch=len(args[0]))
     groups = parallel_groups(model, lambda: served(*args)) if req.settings.merge_linears else []
@@ -387,13 +437,22 @@ def _captured(
 def _capture(
     model: Any, req: BuildRequest, args: tuple[Any, ...], settings: dict[str, Any]
 ) -> tuple[Any, OneSize, Steps]:
-    """The served model (in channels_last where the settings say so) through :func:`_export`."""
+    """The served model (in channels_last where the settings say so, under autocast where they say so) through
+    :func:`_export`. torch.export records autocast as a call of a submodule (``wrap_with_autocast``), which hides its
+    layers from the graph rewrites (:mod:`.gemm_epilogues`, :mod:`.conv_epilogues`); ``run_decompositions({})``
+    inlines it as explicit casts and keeps every other op as it is."""
     import torch
 
     if settings["channels_last_weights"]:
         model = model.to(memory_format=torch.channels_last)
-    served = _served(model, [i.name for i in req.inputs], req.precision, settings["channels_last"]).eval()
-    return _export(served, args, _dynamic_shapes(req), [i.name for i in req.inputs])
+    autocast = req.device if settings.get("autocast") else None
+    names = [i.name for i in req.inputs]
+    served = _served(model, names, req.precision, settings["channels_last"], autocast).eval()
+    exported, one_size, steps = _export(served, args, _dynamic_shapes(req), names)
+    if autocast:
+        with torch.inference_mode():
+            exported = exported.run_decompositions({})
+    return exported, one_size, steps
 
 
 def _export(served: Any, args: tuple[Any, ...], dynamic: Any, names: list[str]) -> tuple[Any, OneSize, Steps]:
