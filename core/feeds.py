@@ -46,20 +46,26 @@ def read_feed(
         raise InputFileError(f"inputs {path} has arrays {sorted(feed)}; {taker} takes {sorted(names)}", hint=hint)
     if batched:
         feed = whole_batches(feed, specs, str(path), taker)
-    check_feed(feed, specs, str(path), taker, batched)
+    check_feed(feed, specs, str(path), taker, batched, npz=True)
     return feed
 
 
 def check_feed(
-    feed: Mapping[str, np.ndarray], specs: list[TensorSpec], source: str, taker: str, batched: bool = False
+    feed: Mapping[str, np.ndarray],
+    specs: list[TensorSpec],
+    source: str,
+    taker: str,
+    batched: bool = False,
+    npz: bool = False,
 ) -> None:
     """Each array against its input: dtype, rank and fixed sizes, at least one row, one row count among the inputs
     whose axis 0 is one axis (:func:`row_groups`: a two-tower model takes its texts and images in counts of their
     own), and finite values (a NaN in the data would otherwise surface as a failed gate or a skipped training
     step). ``batched``: rows on a fixed batch axis may be any whole number of batches (fed one batch at a time:
-    :func:`in_batches`)."""
+    :func:`in_batches`). ``npz``: the arrays come from an ``.npz`` (numpy's), so a fix that converts them is
+    written for numpy alone; else for a torch tensor too (a data function's)."""
     for spec in specs:
-        _check_array(spec, np.asarray(feed[spec.name]), source, taker, batched)
+        _check_array(spec, np.asarray(feed[spec.name]), source, taker, batched, npz)
     groups = row_groups(specs)
     for axis, names in groups.items():
         counts = {name: len(feed[name]) for name in names}
@@ -108,7 +114,9 @@ def _row_count_fix(groups: dict[int | str | None, list[str]], axis: int | str | 
     )
 
 
-def _check_array(spec: TensorSpec, array: np.ndarray, source: str, taker: str, batched: bool = False) -> None:
+def _check_array(
+    spec: TensorSpec, array: np.ndarray, source: str, taker: str, batched: bool = False, npz: bool = False
+) -> None:
     want = [d if isinstance(d, int) and d >= 1 else None for d in spec.shape]
     if batched and want and want[0] is not None and array.ndim and len(array) and len(array) % want[0] == 0:
         want[0] = None  # whole batches of the fixed size, fed one at a time
@@ -123,9 +131,10 @@ def _check_array(spec: TensorSpec, array: np.ndarray, source: str, taker: str, b
         )
     if array.dtype != np.dtype(spec.dtype) or not shape_ok:
         dims = ", ".join(str(w) if w is not None else str(d) for w, d in zip(want, spec.shape))
+        cast = _cast_fix(array, np.dtype(spec.dtype), npz) if array.dtype != np.dtype(spec.dtype) else ""
         raise InputFileError(
             f"input '{spec.name}' in {source} is {array.dtype}{list(array.shape)}; {taker} takes {spec.dtype}[{dims}]",
-            hint=f"give it as {spec.dtype}[{dims}]" + (f", e.g. x.astype('{spec.dtype}')" if shape_ok else ""),
+            hint=f"give it as {spec.dtype}[{dims}]" + (cast if shape_ok else ""),
         )
     if array.ndim and len(array) == 0:
         raise InputFileError(f"input '{spec.name}' in {source} has no rows", hint="give at least one sample")
@@ -134,6 +143,57 @@ def _check_array(spec: TensorSpec, array: np.ndarray, source: str, taker: str, b
         raise InputFileError(
             f"input '{spec.name}' in {source} holds {bad}", hint="clean or drop those samples before handing them over"
         )
+
+
+def _cast_fix(array: np.ndarray, dtype: np.dtype, npz: bool) -> str:
+    """How to turn ``array`` into ``dtype`` without changing what its values mean, as the tail of a fix
+    (", e.g. x.astype('uint8')"), or why no cast does: floats in [0, 1] given to an unsigned integer input are an
+    image's intensities, scaled to the dtype's range first (a cast alone makes every pixel 0 or 1); floats with
+    fractions given to another integer input, or values past ``dtype``'s range, would lose their values to a cast,
+    so none is offered. ``npz``: numpy's arrays; else a torch tensor's conversion is written beside it."""
+    values = _finite_values(array)
+    if dtype.kind in "iub" and array.dtype.kind == "f" and values.size and (values != np.round(values)).any():
+        if dtype.kind == "u" and values.min() >= 0 and values.max() <= 1:
+            top = np.iinfo(dtype).max
+            return (
+                f", e.g. {_converted(f'(x * {top}).round()', dtype, npz)}: its values lie in [0, 1] (an image's "
+                f"intensities), scaled to 0-{top} first, as a cast alone makes each one 0 or 1"
+            )
+        taken = "True/False" if dtype.kind == "b" else "integer"
+        return f": its values have fractions, which a cast to {dtype} would cut off; give the {taken} values it takes"
+    if values.size and not _within(values, dtype):
+        return (
+            f": its values ({values.min():.4g} to {values.max():.4g}) lie outside what {dtype} holds, which a cast "
+            "would wrap or clip; give values the input takes"
+        )
+    return f", e.g. {_converted('x', dtype, npz)}"
+
+
+def _converted(x: str, dtype: np.dtype, npz: bool) -> str:
+    """``x`` converted to ``dtype``: numpy's ``astype``, and where the data may be torch tensors, ``.to``."""
+    numpy = f"{x}.astype('{dtype}')"
+    return numpy if npz else f"{numpy} (a torch tensor: {x}.to(torch.{dtype}))"
+
+
+def _finite_values(array: np.ndarray) -> np.ndarray:
+    """The finite values of a real ``array``, flat (none of a complex or other one: no cast is judged there)."""
+    if array.dtype.kind not in "biuf":
+        return np.empty(0)
+    flat = np.asarray(array).ravel()
+    return flat[np.isfinite(flat)] if array.dtype.kind == "f" else flat
+
+
+def _within(values: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether every one of ``values`` is one ``dtype`` holds (a bool: 0 and 1 only)."""
+    if dtype.kind == "b":
+        return bool(np.isin(values, (0, 1)).all())
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+    elif dtype.kind == "f":
+        info = np.finfo(dtype)
+    else:
+        return True
+    return bool(values.min() >= info.min and values.max() <= info.max)
 
 
 def fixed_batch(specs: list[TensorSpec]) -> int | None:

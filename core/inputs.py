@@ -163,11 +163,12 @@ def random_inputs(
     int_ranges: Mapping[str, IntRange] | None = None,
 ) -> dict[str, np.ndarray]:
     """One array per input: ``batch`` on a symbolic first (batch) axis, ``dynamic`` on any other symbolic axis (one
-    size for all, or per input and axis; ``None`` or an axis it lacks: an error naming ``hint``); integers in
-    [0, ``int_high``] (1 by default, so any embedding accepts them), or in an input's own ``[low, high]`` of
-    ``int_ranges`` (the values the data holds; each column of the last axis in its own, where it has one per
-    column: :data:`~kiln.core.records.IntRange`), booleans at random, floats standard normal. A fixed axis keeps
-    its size."""
+    size for all, or per input and axis; ``None`` or an axis it lacks: an error naming ``hint``); integers in an
+    input's own ``[low, high]`` of ``int_ranges`` (the values the data holds; each column of the last axis in its
+    own, where it has one per column: :data:`~kiln.core.records.IntRange`), else uint8 ones over 0..255 (an image's
+    pixels: at 0 and 1 alone an image is black, and its outputs barely vary between samples) and other integers in
+    [0, ``int_high``] (1 by default, so any embedding accepts them as ids); booleans at random, floats standard
+    normal. A fixed axis keeps its size."""
     check_batch_fits(specs, batch, hint=f"{BATCH_HINT}, or {hint}")
     rng = np.random.default_rng(seed)
     feed: dict[str, np.ndarray] = {}
@@ -177,7 +178,7 @@ def random_inputs(
         if dtype == np.bool_:
             feed[spec.name] = rng.random(shape) < 0.5
         elif dtype.kind in "iu":
-            bounds = (int_ranges or {}).get(spec.name, [0, int_high])
+            bounds = (int_ranges or {}).get(spec.name, [0, 255 if dtype == np.uint8 else int_high])
             feed[spec.name] = integers(rng, bounds, shape).astype(dtype)
         else:
             feed[spec.name] = rng.standard_normal(shape).astype(dtype)

@@ -77,6 +77,7 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
                 "choice_notes",
                 "timing",
                 "peaks",
+                "batch_coupled",  # report.md says those outputs are served unbatched
             )
             if k in validation
         }

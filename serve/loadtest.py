@@ -513,11 +513,14 @@ def answer_band(base: tuple[float, float], deviation: dict[str, Any]) -> tuple[f
     return max(base[0], min(BAND_SAFETY * atol, BAND_CAP)), max(base[1], min(rtol, cap))
 
 
-def batching_cause(deviation: dict[str, Any], tolerance: tuple[float, float], worst: float) -> str | None:
+def batching_cause(
+    deviation: dict[str, Any], tolerance: tuple[float, float], worst: float, precision: str | None = None
+) -> str | None:
     """Why a correct server's answers were counted wrong, where batching moves the engine's own answers past what
     they could be held to (:func:`answer_band` capped the band) and the wrong answers, off by up to ``worst`` of
     their scale, lie within :data:`BAND_SAFETY` times what it moves them by; None otherwise (the server's fault: an
-    answer further off is no batch mate's doing)."""
+    answer further off is no batch mate's doing). ``precision``: the engine's (its metadata's), which names what
+    moves its answers (:func:`batch_mover`)."""
     moved = max((v for v in deviation["rtol"].values() if np.isfinite(v)), default=0.0)
     if not tolerance[1] < BAND_SAFETY * moved or not worst <= BAND_SAFETY * moved:
         return None
@@ -526,22 +529,46 @@ def batching_cause(deviation: dict[str, Any], tolerance: tuple[float, float], wo
         f"{', '.join(map(str, deviation['batches']))} its answers move by up to {moved:.3g} of their scale, and "
         f"answers can be held to no more than {tolerance[1]:.3g} (where another request's answer is still wrong); "
         f"the wrong ones were off by up to {worst:.3g}, within {BAND_SAFETY:g} x that, as the server's dynamic "
-        "batching moves them (a dynamically quantized INT8 engine computes its activation scales per batch)"
+        f"batching moves them ({batch_mover(precision)})"
     )
+
+
+DYNAMIC_INT8 = "a dynamically quantized INT8 engine computes its activation scales per batch"
+COUPLED_MODEL = (
+    "the model's rows read their batch mates: a batch-coupled model, such as a normalization or a branch on a "
+    "statistic over the whole batch"
+)
+
+
+def batch_mover(precision: str | None) -> str:
+    """What makes an engine of ``precision`` answer otherwise in a batch than alone: an INT8 engine's dynamic
+    quantization (activation scales per batch); any other engine computes each row as it would alone, up to
+    rounding, so the model itself mixes rows. Both where the precision is not known."""
+    if precision == "int8":
+        return DYNAMIC_INT8
+    return COUPLED_MODEL if precision is not None else f"{DYNAMIC_INT8}, or {COUPLED_MODEL}"
 
 
 def batching_hint(engines: str | Path, engine: ServedEngine, protocol: str) -> str:
     """The fix for an engine whose answers depend on their batch mates (:func:`batching_cause`): a load test of an
-    engine that answers alike in any batch, or of this one served unbatched, tells the server's own faults. Names
-    the FP32 engine served beside it, of its own backend and device first."""
+    engine that answers alike in any batch, or of this one served unbatched, tells the server's own faults. For an
+    INT8 engine, names the FP32 engine served beside it, of its own backend and device first; for another, whose
+    model mixes rows, serving it unbatched is the fix, and a validation that finds the coupling packages it so."""
+    unbatched = "this one served without batching (kiln serve --max-batch 0)" if protocol != "ray" else ""
+    if engine.meta.precision != "int8":
+        served = f"serve {unbatched}" if unbatched else "serve it without batching"
+        return (
+            f"{served}, or rerun validation (kiln run --from validate) so that it finds the outputs that depend on "
+            "the whole batch and packages the engines unbatched; if its answers differ unbatched too, check that "
+            "the server serves the engine -e names"
+        )
     own = (engine.meta.backend, engine.meta.device)
     fp32 = [e for e in find_engines(engines) if e.meta.precision == "fp32"]
     fp32.sort(key=lambda e: ((e.meta.backend, e.meta.device) != own, e.model_name))
-    unbatched = ", or this one served without batching (kiln serve --max-batch 0)" if protocol != "ray" else ""
     return (
         f"load-test the FP32 engine (--model {fp32[0].model_name if fp32 else 'NAME'}) or an INT8 engine with "
-        f"static scales (calibration.ort_cpu_scheme: static, docs/stages.md){unbatched}; if its answers differ too, "
-        "check that the server serves the engine -e names"
+        f"static scales (calibration.ort_cpu_scheme: static, docs/stages.md){', or ' + unbatched if unbatched else ''}"
+        "; if its answers differ too, check that the server serves the engine -e names"
     )
 
 
@@ -1286,7 +1313,8 @@ def loadtest(
     wrong = sum(lv["mismatches"] for lv in levels)
     failed = sum(lv["errors"] for lv in levels)
     worst = functools.reduce(worse, (lv["worst_wrong"] for lv in levels), 0.0)
-    cause = batching_cause(deviation, tolerance, worst) if wrong and not failed else None  # failed: the server's
+    only_wrong = wrong and not failed  # a failed request is the server's
+    cause = batching_cause(deviation, tolerance, worst, engine.meta.precision) if only_wrong else None
     if cause:
         raise GateFailure(
             f"{wrong} answers differed from the engine's direct output under load (see {out / 'loadtest.json'}): "

@@ -17,6 +17,7 @@ import numpy as np
 
 from kiln.core.compare import (
     AGREEMENT_NAMES,
+    Masks,
     OutputStats,
     agrees,
     class_axis,
@@ -346,27 +347,54 @@ def class_axis_follows_batch(
     return probed is not None and np.ndim(probed) == out.ndim and probed.shape[class_axis(out.ndim)] == other
 
 
+# The most rows of a probe batch :func:`mixed_rows` runs alone: each is one call of the reference at batch 1
+MIXED_ROWS = 16
+
+
 def mixed_rows(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, got: dict[str, np.ndarray]) -> list[str]:
-    """Outputs whose last row differs when its sample runs alone from ``got`` (``run`` on the whole ``feed``): rows
-    that read their batch mates (a model whose axis 0 is time, not the batch; a normalization over the batch).
-    The last row, since one that reads only the rows before it agrees on the first rows by construction. Beyond
-    float noise between batch sizes: an error over 1e-5 plus 1e-4 of the row's largest value compared
-    (:func:`~kiln.core.compare.agrees`: a mask's -inf or -1e9, read from every row, alike in both is equal and
-    scales nothing; where one of them holds it and the other not, the rows differ)."""
+    """Outputs whose row differs when its sample runs alone from ``got`` (``run`` on the whole ``feed``), at any of
+    the rows :func:`probed_rows` picks: rows that read their batch mates (a model whose axis 0 is time, not the
+    batch; a normalization over the batch; a branch on a statistic of the whole batch, which only some rows take
+    otherwise alone, so no one row tells). Beyond float noise between batch sizes: an error over 1e-5 plus 1e-4 of
+    the row's largest value compared (:func:`~kiln.core.compare.agrees`: a mask's -inf or -1e9, read from every
+    row, alike in both is equal and scales nothing; where one of them holds it and the other not, the rows
+    differ)."""
     rows = feed_rows(feed)
-    if rows < 2:
+    masks = {k: masks_of(v) for k, v in got.items() if v.shape[:1] == (rows,)}  # read from every row, once
+    if rows < 2 or not masks:
         return []
-    try:
-        alone = run(feed_take(feed, slice(rows - 1, rows)))
-    except Exception:  # the reference's own error surfaces where the comparisons run it
-        return []
-    mixed = []
-    for k, v in got.items():
-        if k not in alone or v.shape[:1] != (rows,) or alone[k].shape[1:] != v.shape[1:]:
-            continue
-        if not agrees(v[rows - 1], alone[k][0], 1e-5, 1e-4, masks_of(v))[0]:
-            mixed.append(k)
-    return mixed
+    mixed: set[str] = set()
+    for row in probed_rows(rows):
+        try:
+            alone = run(feed_take(feed, slice(row, row + 1)))
+        except Exception:  # the reference's own error surfaces where the comparisons run it
+            break
+        mixed.update(_differing(got, alone, row, masks))
+        if mixed == set(masks):  # every output found: no other row can add one
+            break
+    return [k for k in got if k in mixed]
+
+
+def probed_rows(rows: int) -> list[int]:
+    """The rows of a batch of ``rows`` that :func:`mixed_rows` runs alone: every one up to :data:`MIXED_ROWS`,
+    else that many spread evenly from the first to the last. Bounded, since each is a call of the reference at
+    batch 1 (a large model's forward), whatever the largest validated batch; the last always, since a row that
+    reads only the rows before it (a causal model over axis 0) agrees on the first rows by construction."""
+    return sorted({int(i) for i in np.linspace(0, rows - 1, min(rows, MIXED_ROWS)).round()})
+
+
+def _differing(
+    got: dict[str, np.ndarray], alone: dict[str, np.ndarray], row: int, masks: dict[str, Masks]
+) -> list[str]:
+    """The outputs of ``masks`` (those of one row per sample in the batch ``got``, with their mask fills) whose
+    ``row`` differs from that row run ``alone``; one of another shape alone is another probe's
+    (:func:`batch_coupled`)."""
+    out = []
+    for k, m in masks.items():
+        v = got[k]
+        if k in alone and alone[k].shape[1:] == v.shape[1:] and not agrees(v[row], alone[k][0], 1e-5, 1e-4, m)[0]:
+            out.append(k)
+    return out
 
 
 def batched(fn: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int) -> dict[str, np.ndarray]:
