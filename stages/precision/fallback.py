@@ -1,6 +1,7 @@
 """Accuracy-driven fallback: build a variant, judge it with validation's check and gates (:mod:`.gate`), and while
 it misses them keep the nodes that introduce the most error in FP32 and rebuild — up to ``max_rounds`` times, and
-only while the rounds measurably improve on the best before them. The variant is the first round that passes
+only while the rounds measurably improve on the best before them (while the task metric misses its gate, by closing
+a share of its way to it: :func:`improves`). The variant is the first round that passes
 (the fewest nodes in float: the fastest), without the nodes of rounds that bought nothing measurable; when no round
 passes, the variant is not made, and the result says which nodes were tried and which gates the best round missed.
 
@@ -15,17 +16,19 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
 
 from kiln.core.text import fmt
+from kiln.stages.accuracy.check import gates_for
 from kiln.stages.precision.compare import Samples, computing_nodes, matching_tensors, take_rows, tensor_errors
 from kiln.stages.precision.config import FallbackConfig
 from kiln.stages.precision.fp16_select import INDEX_OPS
@@ -75,15 +78,53 @@ def kept_note(kept: Mapping[str, str], label: str) -> str:
 
 
 # A round improves on the best before it by MIN_TOP1_GAIN top-1 agreement, or at the same top-1 by MIN_COSINE_GAIN
-# cosine; after PATIENCE rounds without (a consumer kept first, its producer next: two rounds) the search stops.
+# cosine; while the task metric misses its gate, by closing MIN_GAP_CLOSED of the metric's way to it. After PATIENCE
+# rounds without (a consumer kept first, its producer next: two rounds) the search stops.
 PATIENCE = 2
 MIN_TOP1_GAIN = 1e-3  # a round improves by this much top-1 agreement...
 MIN_COSINE_GAIN = 1e-5  # ...or, at the same top-1, by this much cosine
+MIN_GAP_CLOSED = 0.1  # ...or, while the metric misses its gate, by this share of its drop beyond the gate
 
 
-def improves(metrics: dict[str, float | None], than: dict[str, float | None]) -> bool:
+class MetricGap(NamedTuple):
+    """A round's task metric (``validate.metric``) against its gate: its drop from the FP32 graph's value (a
+    relative rise for an error metric) and the ``max_metric_drop`` the gate holds it to."""
+
+    name: str
+    drop: float
+    limit: float
+    said: str  # what the drop is called: "relative rise" or "drop"
+
+    @property
+    def missed(self) -> bool:
+        """Whether the metric misses its gate by a measured (finite) amount."""
+        return bool(np.isfinite(self.drop)) and self.drop > self.limit
+
+
+def metric_gap(check: GateCheck, precision: str, metrics: dict[str, float | None]) -> MetricGap | None:
+    """The task metric's drop in a round's ``metrics`` and its gate for ``precision`` (None: no metric measured)."""
+    value = metrics.get("metric")
+    if value is None or check.ref.metric is None or check.ref.metric_value is None:
+        return None
+    ref = check.ref
+    limit = gates_for(check.gates, precision, ref.logits is None)["max_metric_drop"]
+    said = "relative rise" if ref.metric.relative else "drop"
+    return MetricGap(ref.metric.name, ref.metric.drop(ref.metric_value, value), limit, said)
+
+
+def improves(
+    metrics: dict[str, float | None],
+    than: dict[str, float | None],
+    gap: MetricGap | None = None,
+    gap_before: MetricGap | None = None,
+) -> bool:
     """Whether a round's comparison is measurably better than an earlier one's (NaN is worst). Its cosine is the
-    one the gate holds to ``min_cosine``: the lower of the whole output's and its worst sample's."""
+    one the gate holds to ``min_cosine``: the lower of the whole output's and its worst sample's. Where the earlier
+    round misses the task metric's gate (``gap_before``), the metric is the error to cut: the round must close
+    :data:`MIN_GAP_CLOSED` of its drop beyond the gate, since top-1 or cosine gains that leave it in place (gates
+    already met) buy nothing the gates ask for."""
+    if gap is not None and gap_before is not None and gap_before.missed:
+        return bool(gap_before.drop - gap.drop >= MIN_GAP_CLOSED * (gap_before.drop - gap_before.limit))
     top1, before = metrics["top1_agreement"], than["top1_agreement"]
     cos, cos_before = _gated_cosine(metrics), _gated_cosine(than)
     if top1 is not None and before is not None and abs(top1 - before) >= MIN_TOP1_GAIN:
@@ -129,38 +170,37 @@ def run_fallback(
     where ``build`` keeps nodes in float besides ``extra_fp32_nodes`` and the configuration's exclusions)."""
     kept: dict[str, str] = {}
     result = FallbackResult(path=Path())
-    best: tuple[Verdict, int, dict[str, str]] | None = None  # verdict, round, nodes kept
+    best: tuple[Verdict, int, dict[str, str], MetricGap | None] | None = None  # verdict, round, nodes kept, metric
     helped: list[bool] = []  # per round after the first: did its nodes improve on the best before them
     added: list[set[str]] = []  # per round after the first: the nodes it kept
     for round_no in range(cfg.max_rounds + 1):
         say = _ROUND_NOTE.get()
         if say is not None:
             say(f"{label}: round {round_no} of at most {cfg.max_rounds} ({len(kept)} nodes kept in float)")
+        start = time.perf_counter()
         result.path = build(set(kept))
         verdict = check(result.path, precision, cfg)
+        gap = metric_gap(check, precision, verdict.metrics)
         held = {"held": len(label.held)} if isinstance(label, Label) and label.held else {}
         result.rounds.append(
             {"round": round_no, "kept": len(kept), **held, **verdict.metrics, "failures": verdict.failures}
         )
-        log.info(
-            "%s round %d: top-1 agreement %s cosine %s (%s)%s",
-            label,
-            round_no,
-            fmt(verdict.metrics["top1_agreement"]),
-            fmt(verdict.metrics["cosine"], ".5f"),
-            kept_note(kept, label),
-            "" if verdict.passed else f": {'; '.join(verdict.failures)}",
-        )
-        better = best is None or improves(verdict.metrics, best[0].metrics)
+        _log_round(label, round_no, cfg.max_rounds, kept, verdict, time.perf_counter() - start)
+        better = best is None or improves(verdict.metrics, best[0].metrics, gap, best[3])
         if round_no:
             helped.append(better)
         if better or (verdict.passed and not best[0].passed):
-            best = (verdict, round_no, dict(kept))
+            best = (verdict, round_no, dict(kept), gap)
         if verdict.passed:
-            best = (verdict, round_no, dict(kept))
+            best = (verdict, round_no, dict(kept), gap)
             break
         if not better and _finite(best[0].metrics["cosine"]) > -2.0 and round_no - best[1] >= PATIENCE:
-            break  # these rounds' nodes bought nothing measurable (while outputs overflow, the search goes on)
+            # these rounds' nodes bought nothing measurable (while outputs overflow, the search goes on)
+            result.rounds[-1]["stopped"] = _stalled(
+                best[1], round_no, cfg.max_rounds, len(kept) - len(best[2]), best[3]
+            )
+            log.info("%s: %s", label, result.rounds[-1]["stopped"])
+            break
         if not cfg.enabled or round_no == cfg.max_rounds:
             break
         picks = blame(
@@ -179,7 +219,7 @@ def run_fallback(
         added.append(set(picks))
         result.tried += list(picks)
     assert best is not None
-    verdict, at, kept = best
+    verdict, at, kept, _ = best
     if at != len(result.rounds) - 1:  # a later round was no better: the best one's graph
         log.info("%s: rounds after %d did not improve on it; the variant is round %d's", label, at, at)
         for entry in result.rounds[at + 1 :]:
@@ -194,6 +234,38 @@ def run_fallback(
     result.kept, result.passed, result.failures = kept, verdict.passed, list(verdict.failures)
     result.metrics = verdict.metrics
     return result
+
+
+def _log_round(label: str, round_no: int, rounds: int, kept: dict[str, str], verdict: Verdict, seconds: float) -> None:
+    """One round's INFO line: its place among at most ``rounds``, its figures, the nodes kept in float, how long
+    building and judging it took, and each gate it misses with the value it got (a round can take minutes)."""
+    log.info(
+        "%s round %d of at most %d: top-1 agreement %s cosine %s (%s), %.1f s%s",
+        label,
+        round_no,
+        rounds,
+        fmt(verdict.metrics["top1_agreement"]),
+        fmt(verdict.metrics["cosine"], ".5f"),
+        kept_note(kept, label),
+        seconds,
+        "" if verdict.passed else f": {'; '.join(verdict.failures)}",
+    )
+
+
+def _stalled(at: int, round_no: int, rounds: int, more: int, gap: MetricGap | None) -> str:
+    """Why the search stopped before ``rounds``: rounds ``at + 1`` to ``round_no`` kept ``more`` nodes in float
+    without a measured gain over round ``at``; ``gap``: its task metric, where that missed its gate."""
+    if gap is not None and gap.missed:
+        gain = (
+            f"none cut {gap.name}'s {gap.said} ({gap.drop:.4g} at round {at}) by {MIN_GAP_CLOSED:.0%} of its way "
+            f"down to max_metric_drop {gap.limit}"
+        )
+    else:
+        gain = f"none gained measurably on round {at} in top-1 agreement or cosine"
+    return (
+        f"the search stopped at round {round_no} of at most {rounds}: rounds {at + 1}-{round_no} kept {more} more "
+        f"nodes in float and {gain}; keeping more nodes in float is not helping"
+    )
 
 
 def _faster(

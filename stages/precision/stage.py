@@ -354,11 +354,15 @@ DYNAMIC_HINT = (
 
 
 def _why(label: str, fallback: dict[str, Any]) -> str:
+    """The fallback's failure in a line: the gates missed, the nodes tried, and why the search stopped early where it
+    did (rounds that kept more nodes in float without a measured gain)."""
     tried = fallback.get("tried") or []
     nodes = f"tried keeping {len(tried)} nodes in float ({', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"
+    stopped = [r["stopped"] for r in fallback.get("rounds") or [] if r.get("stopped")]
     return (
         f"{label} not made: no fallback round passed the gates its engines face "
         f"({'; '.join(fallback.get('failures') or ['?'])}); {nodes if tried else 'no node was tried in float'}"
+        + "".join(f"; {s}" for s in stopped)
     )
 
 

@@ -18,6 +18,8 @@ from kiln.stages.accuracy.metrics import BUILTINS, DEFAULT, RELATIVE, Metric, re
 from kiln.stages.validate.measured import NO_FINITE_FIX, unmeasured
 
 DEFAULT_LOGITS = "logits"  # the output taken as the class logits by default (kiln.core.outputs, which loads torch)
+# how an accuracy_note says signature.logits_output names float targets' prediction, no class logits (validate stage)
+NAMED_PREDICTION = "which signature.logits_output names, holds their prediction"
 RANDOM_INPUTS = (
     "RANDOM arrays of the declared input shapes, not real data: agreement on them says little about the engine "
     "on real inputs"
@@ -505,12 +507,13 @@ def _without_class_logits(b: Any) -> str:
 
 def _no_class_logits(b: Any) -> str:
     """Why no output was taken as the class logits, with the setting that names one: float targets scored by an
-    error metric are a regression's values (``accuracy_note`` says so); several outputs, none named ``logits``, leave
+    error metric, or an output ``signature.logits_output`` names beside float targets (:data:`NAMED_PREDICTION`), are
+    a regression's values (``accuracy_note`` says so); several outputs, none named ``logits``, leave
     none by default; else the output that is the default was not held as class logits, which it is only beside
     integer labels (or ``num_classes`` without labels) and a class axis ``num_classes`` wide
     (:func:`kiln.stages.accuracy.check.top1_output`)."""
     names, metric = b.compared, b.metric_name or (DEFAULT if b.metric is not None else None)
-    if metric in RELATIVE and b.accuracy_note:
+    if b.accuracy_note and (metric in RELATIVE or NAMED_PREDICTION in b.accuracy_note):
         return b.accuracy_note
     default = names[0] if len(names) == 1 else DEFAULT_LOGITS if DEFAULT_LOGITS in names else None
     if default is None:

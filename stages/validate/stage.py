@@ -10,12 +10,14 @@ from __future__ import annotations
 import ast
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 
 from kiln.core.compare import class_axis, compare_arrays, value_ordered
@@ -72,6 +74,7 @@ from kiln.stages.validate.coupling import rows_may_mix
 from kiln.stages.validate.declaration import REQUIRED, UNVALIDATED, ValidateSettings
 from kiln.stages.validate.measured import NO_FINITE_FIX, has_no_number_samples, nothing_measured, unmeasured
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
+from kiln.stages.validate.report import NAMED_PREDICTION
 from kiln.stages.validate.roofline import peak_tflops, roofline
 
 log = logging.getLogger("kiln.validate")
@@ -384,7 +387,7 @@ def behind_pytorch(
     timing's noise (the paired interval below 1), each said: a user should know that serving PyTorch would be
     faster there (an op the runtime computes slowly, such as ONNX Runtime's DFT on the CPU). ``onnx_file``: a run
     from ``model.onnx`` with no PyTorch model, whose baseline is that file in ONNX Runtime. ``cause``: what in
-    the engine's graph may make it slow (e.g. :func:`loop_note`), said after; '' when nothing is known."""
+    the engine's graph may make it slow (:func:`slow_op_note`), said after; '' when nothing is known."""
     by_name = {e.name: e for e in engines}
     baseline = "the input ONNX file" if onnx_file else "PyTorch"
     against = f"{baseline} in ONNX Runtime" if onnx_file else f"{baseline} eager"
@@ -408,6 +411,15 @@ def behind_pytorch(
     return out
 
 
+def slow_op_note(engine: EngineValidation, engine_dir: Path, export: Path) -> str:
+    """What in the engine's ONNX graph may make it slower than PyTorch: its Loop nodes (:func:`loop_note`) and, on
+    ONNX Runtime's CPU, its DFT/STFT nodes (:func:`dft_note`); '' when nothing is known."""
+    notes = [loop_note(engine_dir, export)]
+    if engine.backend == "onnxruntime" and engine.device == "cpu":
+        notes.append(dft_note(engine_dir, export))
+    return "; ".join(n for n in notes if n)
+
+
 def loop_note(engine_dir: Path, export: Path) -> str:
     """:func:`_loop_note`, or '' where the graphs cannot be read for it: a note is no reason to fail validation."""
     try:
@@ -417,28 +429,65 @@ def loop_note(engine_dir: Path, export: Path) -> str:
         return ""
 
 
+def dft_note(engine_dir: Path, export: Path) -> str:
+    """:func:`_dft_note`, or '' where the graphs cannot be read for it: a note is no reason to fail validation."""
+    try:
+        return _dft_note(engine_dir, export)
+    except Exception as exc:  # noqa: BLE001 - an unreadable graph or metadata of another exporter version
+        log.debug("no DFT note for %s: %s", engine_dir.name, exc)
+        return ""
+
+
+def _graph_nodes(engine_dir: Path, op_types: set[str]) -> tuple[str, list[onnx.NodeProto]]:
+    """The engine's name and the nodes of ``op_types`` in its ONNX graph (none where the engine is no ONNX graph)."""
+    meta = read_metadata(engine_dir)
+    file = meta.files.get("model", "")
+    if not file.endswith(".onnx"):
+        return meta.name, []
+    graph = load_onnx(engine_dir / file, load_external_data=False).graph
+    return meta.name, [n for n in graph.node if n.op_type in op_types]
+
+
+def _made_by(export: Path, nodes: set[str]) -> tuple[list[str], str]:
+    """The module classes that made ``nodes`` (the export's node metadata) and how a note says them: `` (made by
+    Spectral modules spectral)``, '' where the metadata does not name them."""
+    made = _modules_of(export, nodes) if export.is_file() else {}
+    kinds = sorted({k for k, _ in made.values()})
+    names = sorted({m for _, m in made.values()})
+    more = ", ..." if len(names) > 4 else ""
+    return kinds, f" (made by {'/'.join(kinds)} modules {', '.join(names[:4])}{more})" if made else ""
+
+
 def _loop_note(engine_dir: Path, export: Path) -> str:
     """What Loop nodes in the engine's ONNX graph cost, and which modules made them (from the export's node
     metadata, which the dynamo exporter writes); '' when the engine is no ONNX graph or holds none. ONNX Runtime
     runs a Loop's body op by op, once per iteration, where PyTorch runs one kernel: an ``nn.EmbeddingBag`` exports
     as a Loop over the bags."""
-    meta = read_metadata(engine_dir)
-    file = meta.files.get("model", "")
-    if not file.endswith(".onnx"):
+    name, nodes = _graph_nodes(engine_dir, {"Loop"})
+    if not nodes:
         return ""
-    loops = [n.name for n in load_onnx(engine_dir / file, load_external_data=False).graph.node if n.op_type == "Loop"]
-    if not loops:
-        return ""
-    made = _modules_of(export, set(loops)) if export.is_file() else {}
-    kinds = sorted({k for k, _ in made.values()})
-    names = sorted({m for _, m in made.values()})
-    more = ", ..." if len(names) > 4 else ""
-    where = f" (made by {'/'.join(kinds)} modules {', '.join(names[:4])}{more})" if made else ""
-    what = f"{meta.name}'s graph holds {len(loops)} Loop node{'s' if len(loops) > 1 else ''}{where}, which ONNX "
+    kinds, where = _made_by(export, {n.name for n in nodes})
+    what = f"{name}'s graph holds {len(nodes)} Loop node{'s' if len(nodes) > 1 else ''}{where}, which ONNX "
     what += "Runtime runs op by op, once per iteration"
     if "EmbeddingBag" in kinds:
         return f"{what}: nn.EmbeddingBag exports as a Loop, an nn.Embedding followed by a sum over the bag does not"
     return f"{what}: control flow in forward (a Python loop over a tensor's values) exports as a Loop"
+
+
+def _dft_note(engine_dir: Path, export: Path) -> str:
+    """The DFT and STFT nodes (torch.fft, torch.stft) in an ONNX Runtime CPU engine's graph, and which modules made
+    them; '' when it holds none. ONNX Runtime's CPU kernel for them is a plain implementation, where PyTorch calls
+    an optimized FFT library: a likely cause of the engine's lag, said as one (not profiled)."""
+    name, nodes = _graph_nodes(engine_dir, {"DFT", "STFT"})
+    if not nodes:
+        return ""
+    counts = Counter(n.op_type for n in nodes)
+    held = " and ".join(f"{c} {op}" for op, c in sorted(counts.items()))
+    _, where = _made_by(export, {n.name for n in nodes})
+    return (
+        f"{name}'s graph holds {held} node{'s' if len(nodes) > 1 else ''}{where}, likely a cause: ONNX Runtime's CPU "
+        "DFT kernel is a plain implementation, where PyTorch's torch.fft calls pocketfft (or MKL)"
+    )
 
 
 def _modules_of(export: Path, nodes: set[str]) -> dict[str, tuple[str, str]]:
@@ -578,9 +627,11 @@ def reference(
     return held_out_reference(run, feeds, data, logits, cfg, sig.batch_sizes, axes, named)
 
 
-def accuracy_absent(ref: Reference, data: DatasetSplits) -> str | None:
+def accuracy_absent(ref: Reference, data: DatasetSplits, named: str | int | None = None) -> str | None:
     """Why the reference has no task accuracy, for report.json's ``accuracy_note`` beside ``accuracy: null``
-    (report.md words each case where it shows the baseline); None where it has one."""
+    (report.md words each case where it shows the baseline); None where it has one. ``named``:
+    ``signature.logits_output``, whose output, set aside as float targets' prediction, is said to hold it (the
+    report then gives that as why no output is the class logits, not the advice to set it)."""
     if ref.accuracy is not None:
         return None
     if data.val_y is None:
@@ -600,12 +651,20 @@ def accuracy_absent(ref: Reference, data: DatasetSplits) -> str | None:
             if data.num_classes
             else ""
         )
-        return f"the labels are no classes (float targets{packed}): {_scored_by(metric)}"
+        return f"the labels are no classes (float targets{packed}): {_scored_by(metric)}{_named_prediction(ref, named)}"
     if ref.logits is None:
         return no_class_logits(list(ref.outputs[-1]) if getattr(ref, "outputs", None) else [], ref, data)
     if ref.score is None:
         return "the labels per position fit no validated size (add the data's own sizes to signature.shapes)"
     return None
+
+
+def _named_prediction(ref: Reference, named: str | int | None) -> str:
+    """Where ``signature.logits_output`` (``named``) names an output the reference holds as no class logits (float
+    targets: a regression's prediction, :func:`~kiln.stages.accuracy.check.top1_output`), a clause saying so."""
+    if named is None or ref.logits is not None or not getattr(ref, "outputs", None):
+        return ""
+    return f"; '{logits_name(list(ref.outputs[-1]), named)}', {NAMED_PREDICTION}"
 
 
 def _scored_by(metric: Metric | None) -> str:
@@ -680,7 +739,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         b.metric, b.metric_name = ref.metric_value, ref.metric.name if ref.metric is not None else cfg.metric
         b.metric_default = ref.metric is not None and ref.metric.default
         b.metric_scale = ref.metric.scale if ref.metric is not None else None
-        b.accuracy_note = accuracy_absent(ref, data)
+        b.accuracy_note = accuracy_absent(ref, data, ctx.config.signature.logits_output)
     if baseline.error:  # the accuracy reference must have numbers: eager on the CPU
         baseline = Baseline(
             accuracy=accuracy,
@@ -746,9 +805,9 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     for bs, note in notes.items():
         ctx.log.info("batch %s: %s", bs, note)
     engine_dir, export = {m.name: d for m, d in zip(metas, dirs)}, ctx.inputs["export"] / "model.onnx"
-    loops = lambda e: loop_note(engine_dir[e.name], export)  # noqa: E731 - read only for an engine said slower
+    slow_ops = lambda e: slow_op_note(e, engine_dir[e.name], export)  # noqa: E731 - read only for an engine said slower
     # a run from model.onnx: its baseline is that file in ONNX Runtime, with the same Loops
-    for bs, note in behind_pytorch(engines, chosen, not from_torch, loops if from_torch else None).items():
+    for bs, note in behind_pytorch(engines, chosen, not from_torch, slow_ops if from_torch else None).items():
         ctx.log.warning("batch %s: %s", bs, note)
         notes[bs] = f"{notes[bs]}; {note}" if bs in notes else note
     result = ValidationResult(

@@ -257,7 +257,8 @@ def _reported(data: DatasetSplits, run: Any, names: list[str], setting: str | No
     ctx = SimpleNamespace(config=SimpleNamespace(signature=sig, model=ModelConfig()))
     cfg = CheckConfig(metric=metric)
     ref = reference(ctx, data, cfg, run, held_out(data, lambda v: as_feed(v, ["input"]), {}, {}, None), names, {})
-    b = Baseline(accuracy=ref.accuracy, accuracy_note=accuracy_absent(ref, data), samples=8, latency_ms={})
+    note = accuracy_absent(ref, data, sig.logits_output)
+    b = Baseline(accuracy=ref.accuracy, accuracy_note=note, samples=8, latency_ms={})
     b.logits_output, b.compared, b.metric_name = ref.logits, list(ref.outputs[-1]), metric
     lines = report_section(ValidationResult(passed=True, baseline=b, engines=[], failures=[]))
     return next(x for x in lines if x.startswith("Compared outputs"))
@@ -291,6 +292,27 @@ def test_the_report_says_why_no_output_is_the_class_logits_apart_from_why_there_
     )
     assert "no class-logit output (the labels are no classes (float targets): validate.metric 'mse'" in line, line
     assert "no top-1 agreement or accuracy" in line and "no task accuracy" not in line, line
+
+
+def _rel_l2(outputs: dict[str, np.ndarray], labels: np.ndarray) -> float:
+    """A user's error metric on the first output (a VAE's reconstruction)."""
+    return float(np.linalg.norm(outputs["output_0"] - labels) / np.linalg.norm(labels))
+
+
+def test_a_named_output_of_float_targets_is_said_as_their_prediction_not_asked_for() -> None:
+    """A VAE's three outputs, float targets scored by the user's metric, and ``signature.logits_output: output_0``
+    (its reconstruction): the report says that output holds the targets' prediction, not that none is named
+    'logits' with the advice to set the setting the user set."""
+    y = torch.from_numpy(X.numpy() @ HEADS["output_1"])
+
+    def vae(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = feed["input"]
+        return {"output_0": x @ HEADS["output_1"], "output_1": x @ HEADS["output_2"], "output_2": x[:, :1]}
+
+    line = _reported(DatasetSplits(X[:8], y[:8], X, y), vae, list(HEADS), "output_0", f"{__name__}:_rel_l2")
+    assert "none named 'logits'" not in line and "set `signature.logits_output`" not in line, line
+    assert "'output_0', which signature.logits_output names, holds their prediction" in line, line
+    assert "no top-1 agreement or accuracy" in line, line
 
 
 def test_an_integer_outputs_share_of_equal_values_is_not_called_top1_agreement() -> None:
