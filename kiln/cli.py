@@ -645,9 +645,14 @@ def _print_unvalidated(engines: list[Any]) -> None:
 
 
 def _accuracy_table(v: Any, fmt: Callable[..., str]) -> Table:
+    """Each engine's agreement with the reference and its task accuracy, then validate.metric's value where set. A
+    metric named like a column before it (``validate.metric: accuracy``) is headed ``metric:`` above its name, so
+    no two columns read alike (on two lines: the table stays within 80 columns)."""
     table = Table(title="Accuracy against the reference", show_edge=False)
     metric = v.baseline.metric_name  # validate.metric: the user's own number, beside the built-in ones
-    for col in ("engine", "passed", "cosine", "top-1", "accuracy", *([metric] if metric else [])):
+    columns = ("engine", "passed", "cosine", "top-1", "accuracy")
+    own_column = [f"metric:\n{metric}" if metric in columns else metric] if metric else []
+    for col in (*columns, *own_column):
         table.add_column(col, no_wrap=True)
 
     def own(value: Any) -> list[str]:
@@ -801,23 +806,37 @@ def _refuse_demo_over(path: str | None, config: KilnConfig, workdir: str) -> Non
 
 
 def _other_run(workdir: Path, config: KilnConfig) -> str | None:
-    """What run of another config ``workdir`` holds ("config 'mine'", "model 'net:build'"), or None."""
+    """What run of another config ``workdir`` holds ("config 'mine'", "model 'net:build'"), or None. Its report names
+    its config by ``name:``; a config that sets none has the default name, which tells no config apart (and the
+    workdir records no config file): that run is "another config", with the model its stages' manifests record."""
     import json
 
     try:
         name = json.loads((workdir / "report.json").read_text()).get("name")
     except (OSError, ValueError, AttributeError):
         name = None
-    if isinstance(name, str):
+    unnamed = type(config).model_fields["name"].default
+    if isinstance(name, str) and name != unnamed:
         return f"config '{name}'" if name != config.name else None
-    ours = config.model.model_dump(mode="json")
+    if isinstance(name, str) and name != config.name:  # another config's run, which sets no name
+        model = _recorded_model(workdir, None)
+        return "another config" + (f" (model '{model}')" if model else "")
+    model = _recorded_model(workdir, config.model.model_dump(mode="json"))
+    return f"model '{model}'" if model else None
+
+
+def _recorded_model(workdir: Path, unlike: dict[str, Any] | None) -> str | None:
+    """The model (its import path, or ONNX file) the first of ``workdir``'s stage manifests records, of those whose
+    model is not ``unlike`` (a config's ``model`` section as JSON; None: any); None where none records one."""
+    import json
+
     for manifest in sorted(workdir.glob("*/manifest.json")):
         try:
             model = json.loads(manifest.read_text())["key_parts"]["config"]["model"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if isinstance(model, dict) and model != ours:
-            return f"model '{model.get('name') or model.get('onnx')}'"
+        if isinstance(model, dict) and model != unlike:
+            return str(model.get("name") or model.get("onnx"))
     return None
 
 
@@ -977,7 +996,8 @@ def _precision_direct(
         only = (
             f"; for {v['only']} engines only, its Q/DQ graph was not made (variants.json says why)" if v["only"] else ""
         )
-        results.print(f"{name}: {shown} ({v['kept_fp32']} nodes kept FP32{only})", highlight=False, soft_wrap=True)
+        said = v.get("baseline") or f"{v['kept_fp32']} nodes kept FP32{only}"  # fp32, not asked for: why it is here
+        results.print(f"{name}: {shown} ({said})", highlight=False, soft_wrap=True)
     checked = "calibrated" if set(wanted) & {"int8", "fp8"} else "checked"  # FP16 takes no calibration
     results.print(
         f"{checked} on {summary['calibration']}; wrote {out / 'variants.json'}", highlight=False, soft_wrap=True

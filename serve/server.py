@@ -48,6 +48,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
+from datetime import datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import ModuleType
@@ -56,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from kiln.core import interrupt
+from kiln.core.artifacts import read_manifest
 from kiln.core.child_processes import die_with_parent
 from kiln.core.errors import (
     BackendUnavailable,
@@ -155,6 +157,31 @@ def _unvalidated_sizes(meta: EngineMetadata) -> str:
     return f"only at the sizes it records, those it was built for ({', '.join(bounds)})"
 
 
+def changed_since_packaged(workdir: Path) -> list[str]:
+    """The stages ``workdir``'s package was made from whose results are no longer those it was made from: their
+    outputs hash otherwise than the package recorded (:func:`changed_inputs`) and they ran again since it was made.
+    A stage whose record predates the package's ran on nothing since: its results are those packaged, whatever
+    its hash reads now. Where every stage that hashes otherwise predates it, all of them are named (files put
+    there since, not by a run: still not the package's)."""
+    changed = changed_inputs(workdir, "package")
+    packaged = _finished(workdir / "package")
+    rerun = [up for up in changed if packaged is None or (ran := _finished(workdir / up)) is None or ran >= packaged]
+    return rerun or changed
+
+
+def _finished(stage_dir: Path) -> datetime | None:
+    """When the stage in ``stage_dir`` last ran (its manifest's ``finished``), or None where it records no time."""
+    try:
+        return datetime.fromisoformat((read_manifest(stage_dir) or {})["finished"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _listed(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def find_engines(path: str | Path) -> list[ServedEngine]:
     """The engines to serve under ``path``: one engine folder (refused if its workdir's validation failed it), a
     package folder's ``engines`` (a workdir's ``package``, or a copy of it), a workdir's ``package/engines`` (all
@@ -186,10 +213,10 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
         shipped = sorted(p.parent for p in (path / "engines").glob(f"*/{SIDECAR}"))
         return [ServedEngine(model_name(d.name), d, read_metadata(d)) for d in shipped]
     packaged = sorted(p.parent for p in (path / "package" / "engines").glob(f"*/{SIDECAR}"))
-    if packaged and (changed := changed_inputs(path, "package")):
+    if packaged and (changed := changed_since_packaged(path)):
         raise GateFailure(
-            f"{path / 'package'} holds the engines of an earlier run: {' and '.join(changed)} changed since they "
-            "were packaged (the last run failed, or stopped, before its package stage)",
+            f"{path / 'package'} holds the engines of an earlier run: {_listed(changed)} changed since it was made "
+            f"(a later run redid {'them' if changed[1:] else 'it'} and failed, or stopped, before its package stage)",
             hint="see report.md and `kiln run` again until it passes; to serve the earlier engines anyway, pass "
             f"one's folder: kiln serve {packaged[0]}",
         )

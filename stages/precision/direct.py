@@ -49,12 +49,19 @@ from kiln.stages.precision.variants import Source
 log = logging.getLogger("kiln.precision")
 RANDOM_OFF_HINT = f"give real inputs, --calibration FILE.npz (one array per input): {RANDOM_OFF}"
 FEW_ROWS = 32  # one calibration batch at the default calibration.batch_size: fewer rows are warned about
+# Why the FP32 variant is written though --variants did not ask for it
+BASELINE = (
+    "not asked for: your model with its nodes named, the baseline the variants were calibrated and checked against; "
+    "`kiln build` of a variant probes its sizes with it where the variant does not run on the CPU"
+)
 
 
 def precision_direct(
     src: Path, out: Path, variants: list[str], calibration: Path | None, cfg: PrecisionSettings
 ) -> dict[str, Any]:
-    """Write ``out/<precision>/model.onnx`` for each variant and ``out/variants.json``; returns a summary."""
+    """Write ``out/<precision>/model.onnx`` for each variant and ``out/variants.json``; returns a summary. ``fp32``
+    is written too, asked for or not (its summary entry then says why, :data:`BASELINE`): the graph the variants
+    are measured against, which ``kiln build`` of a variant reads beside it."""
     graph = load_onnx(src)
     check_tensor_io(graph, str(src))
     refuse_low_precision(graph, str(src), "kiln precision")
@@ -114,7 +121,7 @@ def precision_direct(
     Variants(variants={k: variant_record(v) for k, v in built.items()}, axis_sizes=sizes).write(out / "variants.json")
     return {
         "calibration": source,
-        "variants": {k: _shown(out, built[k]) for k in made},
+        "variants": {k: _shown(out, built[k]) | ({"baseline": BASELINE} if k not in variants else {}) for k in made},
         "failed": {k: e.message for k, e in failed.items()},
         "missing": missing_error(failed, made),
     }
