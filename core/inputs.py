@@ -165,10 +165,11 @@ def random_inputs(
     """One array per input: ``batch`` on a symbolic first (batch) axis, ``dynamic`` on any other symbolic axis (one
     size for all, or per input and axis; ``None`` or an axis it lacks: an error naming ``hint``); integers in an
     input's own ``[low, high]`` of ``int_ranges`` (the values the data holds; each column of the last axis in its
-    own, where it has one per column: :data:`~kiln.core.records.IntRange`), else uint8 ones over 0..255 (an image's
-    pixels: at 0 and 1 alone an image is black, and its outputs barely vary between samples) and other integers in
-    [0, ``int_high``] (1 by default, so any embedding accepts them as ids); booleans at random, floats standard
-    normal. A fixed axis keeps its size."""
+    own, where it has one per column: :data:`~kiln.core.records.IntRange`); where ``int_ranges`` is given but names
+    no range for a uint8 input (it indexes no table: an image's pixels, as :func:`kiln.core.onnx_io.index_ranges`
+    tells), over 0..255, since at 0 and 1 alone an image is black and its outputs barely vary between samples;
+    other integers in [0, ``int_high``] (1 by default, so any embedding accepts them as ids, uint8 ones too where
+    nothing says they index none); booleans at random, floats standard normal. A fixed axis keeps its size."""
     check_batch_fits(specs, batch, hint=f"{BATCH_HINT}, or {hint}")
     rng = np.random.default_rng(seed)
     feed: dict[str, np.ndarray] = {}
@@ -178,7 +179,8 @@ def random_inputs(
         if dtype == np.bool_:
             feed[spec.name] = rng.random(shape) < 0.5
         elif dtype.kind in "iu":
-            bounds = (int_ranges or {}).get(spec.name, [0, 255 if dtype == np.uint8 else int_high])
+            pixels = int_ranges is not None and dtype == np.uint8
+            bounds = (int_ranges or {}).get(spec.name, [0, 255 if pixels else int_high])
             feed[spec.name] = integers(rng, bounds, shape).astype(dtype)
         else:
             feed[spec.name] = rng.standard_normal(shape).astype(dtype)

@@ -1,5 +1,6 @@
-"""Random uint8 inputs are images' pixels over 0..255: at 0 and 1 alone an image is black, its outputs barely vary
-between samples, and the precision variants checked on them fail by an error over that tiny spread."""
+"""Random uint8 inputs that index no table are images' pixels over 0..255: at 0 and 1 alone an image is black, its
+outputs barely vary between samples, and the precision variants checked on them fail by an error over that tiny
+spread. Where nothing tells whether a uint8 input indexes a table, it gets ids 0 and 1 as other integers do."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ SPECS = [
 
 
 def test_uint8_inputs_span_0_to_255_and_ids_keep_0_and_1() -> None:
-    feed = random_inputs(SPECS, batch=4)
+    feed = random_inputs(SPECS, batch=4, int_ranges={})  # the graph's index ranges: none for the image
     image = feed["image"]
     assert image.dtype == np.uint8 and image.min() < 16 and image.max() > 240, (image.min(), image.max())
     assert set(np.unique(feed["ids"])) <= {0, 1} and feed["mask"].dtype == np.bool_
     ranged = random_inputs(SPECS, batch=4, int_ranges={"image": [3, 5]})  # a recorded range wins
     assert ranged["image"].min() >= 3 and ranged["image"].max() <= 5
+    unknown = random_inputs(SPECS, batch=4)  # nothing says the uint8 input indexes no table (uint8 DNA ids)
+    assert set(np.unique(unknown["image"])) <= {0, 1}
 
 
 def uint8_classifier(path: Path) -> None:
