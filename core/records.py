@@ -99,8 +99,12 @@ class EngineSource(Part):
 
 
 def takes_size(pattern: list[int], size: int) -> bool:
-    """Is ``size`` one of the sizes ``[period, *residues]`` allows (``[step, offset]``: offset + k * step)?"""
+    """Is ``size`` one of the sizes ``[period, *residues]`` allows (``[step, offset]``: offset + k * step)? Steps that
+    list their sizes (:func:`kiln.core.steps.listed_steps`) take those sizes only: their period is no step, so a size
+    a period past one (65600 for ``[65536, 64]``) is not taken."""
     period, *residues = pattern
+    if period >= LISTED_PERIOD:
+        return size in residues
     return size % period in {r % period for r in residues}
 
 

@@ -39,14 +39,24 @@ def aligned_period(
     """The smallest power of two ``p`` such that the graph runs at the sizes ``low + k p`` only (``ok``: the sizes
     tried, ``low`` among them), checked at the sizes tried, one period on, the sizes either side of it, and two
     periods on, past ``top`` where the range holds less (two sizes alone make no period); with ``every``, at each
-    ``low + k p`` up to ``top`` too. None where none is."""
+    ``low + k p`` up to ``top`` and at every size of the two whole periods from ``low`` too, since a size off that
+    grid which runs (a model taking multiples of 8 or of 12) would be refused unseen. None where none is."""
     period = 2
     while low + period <= top:
-        if all(ok[s] == ((s - low) % period == 0) for s in ok):
-            checks = [low + period, low + period - 1, low + period + 1, low + 2 * period]
-            checks = [s for s in checks if s <= top or s == checks[-1]]
-            checks += list(range(low, top + 1, period)) if every else []
-            if all(seen(s) == ((s - low) % period == 0) for s in checks):
-                return period
+        if all(ok[s] == ((s - low) % period == 0) for s in ok) and all(
+            seen(s) == ((s - low) % period == 0) for s in _period_checks(low, top, period, every)
+        ):
+            return period
         period *= 2
     return None
+
+
+def _period_checks(low: int, top: int, period: int, every: bool) -> list[int]:
+    """The sizes :func:`aligned_period` runs to hold ``period`` from ``low`` (``top``: the range's end): the cheap
+    ones first (one period on, either side of it, two periods on), so that a wrong period costs few runs; with
+    ``every``, then each size on its grid up to ``top`` and each size of its two whole periods from ``low``."""
+    checks = [low + period, low + period - 1, low + period + 1, low + 2 * period]
+    checks = [s for s in checks if s <= top or s == checks[-1]]
+    if every:
+        checks += [*range(low, top + 1, period), *range(low, min(top, low + 2 * period) + 1)]
+    return checks

@@ -18,7 +18,7 @@ from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, metadata_value, ort_session, session_options
 from kiln.core.records import EngineMetadata, TensorSpec, Variants, steps_text, takes_size
 from kiln.core.shapes import axis_names, refuse_unknown_axes, shapes_flag
-from kiln.core.steps import aligned_period, sparse_steps
+from kiln.core.steps import LISTED_PERIOD, aligned_period, listed_steps, sparse_steps
 from kiln.core.text import first_line
 from kiln.stages.engines.backend import SIDECAR
 from kiln.stages.export.declaration import GRAPH_STEPS_KEY, MAX_PERIOD, SIZE_PROBES, parse_graph_steps
@@ -144,10 +144,15 @@ def _with_recorded(
 
 def merged_steps(found: list[int] | None, recorded: list[int]) -> list[int]:
     """The steps (``[period, *residues]``) of the sizes both ``found`` (None: every size) and ``recorded`` take: the
-    residues of the longer period repeated up to the common one, kept where the other takes them (steps that list
-    their sizes, :func:`~kiln.core.steps.listed_steps`, have a period far longer than any residue count)."""
+    residues of the longer period repeated up to the common one, kept where the other takes them. Where either lists
+    its sizes (:func:`~kiln.core.steps.listed_steps`), those of them the other takes, listed: its period is no step,
+    so a multiple of it would invent sizes neither probe ran."""
     if found is None:
         return recorded
+    listed = next((steps for steps in (found, recorded) if steps[0] >= LISTED_PERIOD), None)
+    if listed is not None:
+        other = recorded if listed is found else found
+        return listed_steps([size for size in listed[1:] if takes_size(other, size)])
     period = math.lcm(found[0], recorded[0])
     longer = max(found, recorded, key=lambda steps: steps[0])
     sizes = {r + k * longer[0] for r in longer[1:] for k in range(period // longer[0])}

@@ -192,12 +192,13 @@ def size_pattern(
     """``[period, *residues]`` of the sizes from ``low`` to ``high`` that ``runs``, or None where it runs at every size
     tried: the three after ``low`` and :data:`SIZE_PROBES` drawn from the two periods of :data:`MAX_PERIOD` above it
     (a fixed draw, so that a rerun finds the same; small sizes are cheap to run). Otherwise a power of two at which
-    the sizes from ``low`` that run repeat is tried first at a few sizes and every size on it (pooling's steps,
-    :func:`~kiln.core.steps.aligned_period`), then those two periods are probed size by size, and the
-    shortest period at which every size runs as the one a period later is kept, with the remainders of the sizes
-    that run. A range probed whole without one keeps its sizes, a step between them only where confirmed past it
-    (:func:`~kiln.core.steps.sparse_steps`). ``what``: what ``runs`` asks, for the log line said as the
-    probe starts (a run each costs a model's forward)."""
+    the sizes from ``low`` that run repeat is tried first at a few sizes, every size on it and every size of its
+    two whole periods from ``low`` (pooling's steps, :func:`~kiln.core.steps.aligned_period`: a size off it that
+    runs inside them is never refused unseen), then the two periods of :data:`MAX_PERIOD` are probed size by size
+    (runs already made reused), and the shortest period at which every size runs as the one a period later is kept,
+    with the remainders of the sizes that run. A range probed whole without one keeps its sizes, a step between them
+    only where confirmed past it (:func:`~kiln.core.steps.sparse_steps`). ``what``: what ``runs`` asks, for the log
+    line said as the probe starts with the most sizes it may run (a run each costs a model's forward)."""
     top = min(high, low + 2 * MAX_PERIOD)
     ok: dict[int, bool] = {}
 
@@ -209,7 +210,7 @@ def size_pattern(
     if all(seen(size) for size in first_probes(low, top)):
         return None
     log.info(
-        "signature axis %s: probing %d sizes from %d to %d, a run each: %s at only some of the sizes tried",
+        "signature axis %s: probing up to %d sizes from %d to %d, a run each: %s at only some of the sizes tried",
         *(label, top - low + 1, low, top, what),
     )
     seen(low)

@@ -151,14 +151,15 @@ def _size_fix(line: str, worked: dict[str, list[int]]) -> str:
 
 
 def _library_fix(worked: dict[str, list[int]]) -> str:
-    """The fix where no line of the user's code fixed the size: a library's module may have (a ``transformers``
-    model's ``if width % patch != 0:`` pad, which its user cannot edit), so sizes on the side of its branch where
-    the graph computes the model (``worked``) come first, then the fix for the user's own code."""
+    """The fix where no line of the user's code was found fixing the size (:func:`pinned_at` cannot always tell
+    one, so none is claimed not to): a library's module may have (a ``transformers`` model's ``if width % patch !=
+    0:`` pad, which its user cannot edit), so sizes on the side of its branch where the graph computes the model
+    (``worked``) come first, then the fix for the user's own code."""
     listed = "{" + ", ".join(f"{k}: {v}" for k, v in worked.items()) + "}"
     return (
-        "no line of your code fixed it, so a library's module may have (a branch on the size, as a pad where "
-        "width % patch != 0): give signature.shapes sizes on the side of that branch where the graph computes the "
-        f"model, e.g. {listed} (where it does); else, in your own code, {FIXED_SIZE_HINT}"
+        "no line of your code was found fixing it; a library's module may have (a branch on the size, as a pad "
+        "where width % patch != 0): give signature.shapes sizes on the side of that branch where the graph computes "
+        f"the model, e.g. {listed} (where it does); else, in your own code, {FIXED_SIZE_HINT}"
     )
 
 

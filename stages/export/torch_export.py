@@ -365,7 +365,7 @@ def _export_failed(
     TorchScript exporter tried next fails for a reason of its own (an op it cannot write)."""
 
     fixed = f"dynamo exporter: {_FIXED_AXES}"
-    line = pinned_at(model, example, axes) if any(e.startswith(fixed) for e in errors) else ""
+    line = _short_line(pinned_at(model, example, axes)) if any(e.startswith(fixed) for e in errors) else ""
     said = " | ".join(f"{e} (in {line})" if line and e.startswith(fixed) else e for e in errors)
     complex_values = _complex_values(model, errors)
     if complex_values:
@@ -373,6 +373,14 @@ def _export_failed(
     return ExportFailed(
         "torch.onnx.export failed: " + said, hint=_export_failed_hint(errors, opset, line, complex_values)
     )
+
+
+def _short_line(line: str) -> str:
+    """:func:`pinned_at`'s ``forward() at /home/me/mine.py:24 (for t in range(l):)`` with the file by its name
+    (``mine.py:24``), as the message's other lines say the user's code (:func:`_node_location`); as it is where it
+    names no file."""
+    found = re.match(r"(.*?\(\) at )(.+?)(:\d+(?: \(.*)?)$", line, re.DOTALL)
+    return found.group(1) + Path(found.group(2)).name + found.group(3) if found else line
 
 
 # How the dynamo exporter's failure reads where its graph fixed an axis signature.dynamic_axes makes vary

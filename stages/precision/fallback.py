@@ -1,9 +1,10 @@
 """Accuracy-driven fallback: build a variant, judge it with validation's check and gates (:mod:`.gate`), and while
 it misses them keep the nodes that introduce the most error in FP32 and rebuild — up to ``max_rounds`` times, and
 only while the rounds measurably improve on the best before them (while the task metric misses its gate, by closing
-a share of its way to it: :func:`improves`). The variant is the first round that passes
-(the fewest nodes in float: the fastest), without the nodes of rounds that bought nothing measurable; when no round
-passes, the variant is not made, and the result says which nodes were tried and which gates the best round missed.
+a share of its way to it, or of the output's where the metric moves in steps: :func:`improves`). The variant is the
+first round that passes (the fewest nodes in float: the fastest), without the nodes of rounds that bought nothing
+measurable; when no round passes, the variant is not made, and the result says which nodes were tried and which
+gates the best round missed.
 
 A node's blame is how much larger the error of its output is than the error of its inputs (both relative
 to the FP32 graph on the same samples): error a node merely passes on is not its fault. When a node already
@@ -28,7 +29,7 @@ import numpy as np
 import onnx
 
 from kiln.core.text import fmt
-from kiln.stages.accuracy.check import gates_for
+from kiln.stages.accuracy.check import COUNT_SLACK, gates_for
 from kiln.stages.precision.compare import Samples, computing_nodes, matching_tensors, take_rows, tensor_errors
 from kiln.stages.precision.config import FallbackConfig
 from kiln.stages.precision.fp16_select import INDEX_OPS
@@ -78,12 +79,12 @@ def kept_note(kept: Mapping[str, str], label: str) -> str:
 
 
 # A round improves on the best before it by MIN_TOP1_GAIN top-1 agreement, or at the same top-1 by MIN_COSINE_GAIN
-# cosine; while the task metric misses its gate, by closing MIN_GAP_CLOSED of the metric's way to it. After PATIENCE
-# rounds without (a consumer kept first, its producer next: two rounds) the search stops.
+# cosine; while the task metric misses its gate, by closing MIN_GAP_CLOSED of a way still to go (improves). After
+# PATIENCE rounds without (a consumer kept first, its producer next: two rounds) the search stops.
 PATIENCE = 2
 MIN_TOP1_GAIN = 1e-3  # a round improves by this much top-1 agreement...
 MIN_COSINE_GAIN = 1e-5  # ...or, at the same top-1, by this much cosine
-MIN_GAP_CLOSED = 0.1  # ...or, while the metric misses its gate, by this share of its drop beyond the gate
+MIN_GAP_CLOSED = 0.1  # ...or, while the metric misses its gate, by this share of a way still to go
 
 
 class MetricGap(NamedTuple):
@@ -97,8 +98,9 @@ class MetricGap(NamedTuple):
 
     @property
     def missed(self) -> bool:
-        """Whether the metric misses its gate by a measured (finite) amount."""
-        return bool(np.isfinite(self.drop)) and self.drop > self.limit
+        """Whether the metric misses its gate by a measured (finite) amount: beyond the gate's own slack for
+        counted shares (:data:`COUNT_SLACK`), so a metric the gate passes is not one still to close."""
+        return bool(np.isfinite(self.drop)) and self.drop > self.limit + COUNT_SLACK
 
 
 def metric_gap(check: GateCheck, precision: str, metrics: dict[str, float | None]) -> MetricGap | None:
@@ -120,16 +122,47 @@ def improves(
 ) -> bool:
     """Whether a round's comparison is measurably better than an earlier one's (NaN is worst). Its cosine is the
     one the gate holds to ``min_cosine``: the lower of the whole output's and its worst sample's. Where the earlier
-    round misses the task metric's gate (``gap_before``), the metric is the error to cut: the round must close
-    :data:`MIN_GAP_CLOSED` of its drop beyond the gate, since top-1 or cosine gains that leave it in place (gates
-    already met) buy nothing the gates ask for."""
+    round misses the task metric's gate (``gap_before``), the round must close :data:`MIN_GAP_CLOSED` of a way still
+    to go (:func:`_closes_gap`), not merely gain a little in top-1 or cosine."""
     if gap is not None and gap_before is not None and gap_before.missed:
-        return bool(gap_before.drop - gap.drop >= MIN_GAP_CLOSED * (gap_before.drop - gap_before.limit))
+        return _closes_gap(metrics, than, gap, gap_before)
     top1, before = metrics["top1_agreement"], than["top1_agreement"]
     cos, cos_before = _gated_cosine(metrics), _gated_cosine(than)
     if top1 is not None and before is not None and abs(top1 - before) >= MIN_TOP1_GAIN:
         return top1 > before
     return cos - cos_before >= MIN_COSINE_GAIN
+
+
+def _closes_gap(
+    metrics: dict[str, float | None], than: dict[str, float | None], gap: MetricGap, gap_before: MetricGap
+) -> bool:
+    """Whether a round closes :data:`MIN_GAP_CLOSED` of the metric's drop beyond its gate, or, where the metric may
+    be blind to the round's gain (:func:`_steps`), of top-1 agreement's or the gated cosine's way to 1.
+
+    Why the output's measures count only there: a metric that moves smoothly with the output (a relative L2 on a
+    real-valued field) and barely moves while the cosine climbs says the error the rounds remove is not the error
+    it sees, and the search stops; a metric that counts decisions (accuracy, F1) stays put until a row flips, then
+    jumps, and the rows' margins close as the output's error does, which the cosine's way to 1 measures."""
+    if _share_closed(gap_before.drop - gap_before.limit, gap_before.drop - gap.drop):
+        return True
+    if not _steps(metrics, gap, gap_before):
+        return False
+    top1, before = metrics["top1_agreement"], than["top1_agreement"]
+    if top1 is not None and before is not None and _share_closed(1.0 - before, top1 - before):
+        return True
+    cos_before = _gated_cosine(than)
+    return _share_closed(1.0 - cos_before, _gated_cosine(metrics) - cos_before)
+
+
+def _steps(metrics: dict[str, float | None], gap: MetricGap, gap_before: MetricGap) -> bool:
+    """Whether the task metric may move in steps the round did not reach: the output is class logits (top-1
+    measured: its decisions flip row by row), or the metric did not move at all (a count no row changed)."""
+    return metrics["top1_agreement"] is not None or gap.drop == gap_before.drop
+
+
+def _share_closed(way: float, gain: float) -> bool:
+    """Whether ``gain`` is at least :data:`MIN_GAP_CLOSED` of ``way``, a way still to go (none left: no)."""
+    return bool(way > 0 and gain >= MIN_GAP_CLOSED * way)
 
 
 def _gated_cosine(metrics: dict[str, float | None]) -> float:
@@ -258,7 +291,8 @@ def _stalled(at: int, round_no: int, rounds: int, more: int, gap: MetricGap | No
     if gap is not None and gap.missed:
         gain = (
             f"none cut {gap.name}'s {gap.said} ({gap.drop:.4g} at round {at}) by {MIN_GAP_CLOSED:.0%} of its way "
-            f"down to max_metric_drop {gap.limit}"
+            f"down to max_metric_drop {gap.limit} (nor, where {gap.name} moves in steps, top-1 agreement's or the "
+            "cosine's way to 1 by as much)"
         )
     else:
         gain = f"none gained measurably on round {at} in top-1 agreement or cosine"

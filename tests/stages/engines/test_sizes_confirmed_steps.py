@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kiln import load_engine
 from kiln.core.errors import InputError
+from kiln.core.records import takes_size
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.sizes import merged_steps
 from kiln.stages.engines.stage import build_direct
@@ -81,4 +82,15 @@ def test_sizes_an_export_listed_merge_with_the_builds_steps_and_are_said_as_size
         caplog.text
     )
     assert "recorded n at sizes 64, 96 only)" in caplog.text
-    assert merged_steps([3, 0], [LISTED, 64, 96]) == [3 * LISTED, 96, 64 + 2 * LISTED]
+
+
+def test_listed_sizes_merge_with_any_period_into_the_listed_sizes_it_takes() -> None:
+    """Sizes listed (``[65536, 64, 96]``) merged with steps of 3, no divisor of 65536, keep 96 alone, listed: the
+    listed period is no step, so no multiple of it (131136) may come in; and a listed pattern takes its sizes only,
+    not one a listed period past them."""
+    assert merged_steps([3, 0], [LISTED, 64, 96]) == [LISTED, 96]
+    assert merged_steps([LISTED, 64, 96], [3, 0]) == [LISTED, 96]
+    assert merged_steps([LISTED, 64, 96], [LISTED, 96, 128]) == [LISTED, 96]
+    assert merged_steps([32, 0], [LISTED, 64, 96]) == [LISTED, 64, 96]
+    assert not takes_size([LISTED, 64, 96], 64 + LISTED)
+    assert takes_size([LISTED, 64, 96], 96) and not takes_size([LISTED, 64, 96], 80)

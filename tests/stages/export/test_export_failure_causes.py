@@ -150,7 +150,7 @@ def test_a_branch_in_a_library_gets_signature_shapes_where_the_graph_computes_th
     with pytest.raises(ModelError, match="does not compute the model at seq=40") as caught:
         check_validated_sizes(model, path, ort_session(path), data, ["input"], axes, {"seq": [40, 64]}, 1e-4, 1e-5)
     hint = caught.value.hint or ""
-    assert hint.startswith("no line of your code fixed it, so a library's module may have"), hint
+    assert hint.startswith("no line of your code was found fixing it; a library's module may have"), hint
     assert "signature.shapes sizes on the side of that branch where the graph computes the model, e.g. {seq: [64]}" in (
         hint
     )

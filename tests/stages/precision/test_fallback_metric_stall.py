@@ -1,5 +1,6 @@
 """The fallback's rounds, while the task metric misses its gate, are judged by that metric: rounds that keep more
-nodes in float and lift only the cosine (a gate already met) stop the search, said in the result and the log."""
+nodes in float and lift only the cosine (a gate already met) stop the search, said in the result and the log, unless
+the metric moves in steps (class decisions), where closing the cosine's way to 1 is progress toward the next step."""
 
 from __future__ import annotations
 
@@ -88,3 +89,68 @@ def test_a_round_that_closes_the_metric_gap_improves() -> None:
     assert not improves({**same, "cosine": 0.99999}, same, before._replace(drop=0.49), before)
     met = before._replace(drop=0.005)  # the metric meets its gate: the cosine decides
     assert improves({**same, "cosine": 0.99999}, same, met, met)
+
+
+def test_a_metric_that_steps_keeps_the_search_going_while_the_cosine_closes_in(tmp_path: Path) -> None:
+    """Accuracy stays put while the flipped 5 % of rows (a small margin) still carry more offset than their margin,
+    then passes at once: rounds that close much of the cosine's way to 1 are progress, and round 3 passes."""
+    rows, step = 200, 0.001
+    w = np.zeros((16, 10), np.float32)
+    w[:10, :10] = np.eye(10)
+    x = np.zeros((rows, 16), np.float32)
+    x[:, 0] = 1.0
+    x[:10, 1] = 1.0 - ADDS * step  # class 1 only ADDS steps below class 0 on these rows
+    x += np.random.default_rng(0).uniform(0, 1e-4, x.shape).astype(np.float32)
+    fp32 = _graph(w, [np.zeros(10, np.float32)] * ADDS)
+    offset = np.zeros(10, np.float32)
+    offset[:2] = -step, step  # each Add moves class 1 one step toward class 0
+
+    def build(extra: set[str]) -> Path:
+        biases = [np.zeros(10, np.float32) if f"add{i}" in extra else offset for i in range(ADDS)]
+        path = tmp_path / "variant.onnx"
+        onnx.save(_graph(w, biases), str(path))
+        return path
+
+    result = run_fallback(build, _accuracy_check(fp32, x), "int8", FallbackConfig(max_rounds=4), _adds(), "int8")
+    assert [r["metric"] for r in result.rounds[:3]] == [0.95] * 3  # flat for two rounds...
+    assert result.passed and len(result.rounds) == 4  # ...then the third passes
+    assert not any("stopped" in r for r in result.rounds)
+
+
+def _adds() -> set[str]:
+    return {f"add{i}" for i in range(ADDS)}
+
+
+def _accuracy_check(fp32: onnx.ModelProto, x: np.ndarray) -> GateCheck:
+    """Validation's check of class logits, gated by accuracy against the FP32 graph's own classes."""
+    run = session_runner(fp32)
+    labels = run({"input": x})["logits"].argmax(-1)
+    accuracy = Metric("acc", lambda o, y: float((o["logits"].argmax(-1) == y).mean()), relative=False)
+    ref = Reference(run, [({}, {"input": x})], [None], "logits", 64, targets=labels, metric=accuracy)
+    return GateCheck(fp32, ref, GatesConfig(), [64])
+
+
+def test_class_decisions_count_the_cosine_s_way_to_1_a_smooth_metric_does_not() -> None:
+    """With the metric in place, a round closing over a tenth of the cosine's way to 1 improves where the output is
+    class logits or where the metric did not move at all, not where a smooth metric moved by less than a tenth of its
+    gap; too small a share never does."""
+    before = {"top1_agreement": 0.95, "cosine": 0.99994}
+    after = {"top1_agreement": 0.95, "cosine": 0.99996}  # a third of its way to 1
+    acc = MetricGap("acc", 0.05, 0.01, "drop")
+    assert improves(after, before, acc, acc)
+    assert not improves({**after, "cosine": 0.999941}, before, acc, acc)
+    smooth = MetricGap("rel_l2", 0.546, 0.01, "relative rise")
+    real = {"top1_agreement": None, "cosine": 0.99994}
+    assert not improves({**real, "cosine": 0.99996}, real, smooth._replace(drop=0.536), smooth)
+    assert improves({**real, "cosine": 0.99996}, real, smooth, smooth)  # not moved at all: a count no row changed
+
+
+def test_a_metric_at_its_gate_does_not_miss_it() -> None:
+    """150/200 against 148/200 is a drop of exactly max_metric_drop to the gate (0.010000000000000009 in floats):
+    met, so a round's top-1 gain counts as one."""
+    at_gate = MetricGap("acc", 150 / 200 - 148 / 200, 0.01, "drop")
+    assert not at_gate.missed
+    assert improves(
+        {"top1_agreement": 0.965, "cosine": 0.999}, {"top1_agreement": 0.90, "cosine": 0.999}, at_gate, at_gate
+    )
+    assert MetricGap("acc", 0.0101, 0.01, "drop").missed
