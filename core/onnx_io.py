@@ -227,20 +227,76 @@ def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto
 
 
 def random_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, list[str]]]:
-    """Each node of ``model`` (in subgraphs too) that draws new numbers on every run, with the graph outputs its
-    draws reach (none where nothing reads them). The ops of :data:`RANDOM_OPS`; a Dropout only where its
+    """Each node of ``model`` (in subgraphs too) that draws new numbers on every run, once, with the graph outputs
+    its draws reach (none where nothing reads them). The ops of :data:`RANDOM_OPS`; a Dropout only where its
     ``training_mode`` is true or not a constant (``F.dropout(x, p, training=True)``, which both of torch's exporters
-    write as a constant true) and its ratio is not a constant 0."""
+    write as a constant true) and its ratio is not a constant 0. A draw in a branch or loop body is traced from the
+    op itself out through each enclosing If/Loop, so that a dead draw, or one feeding only an output no graph output
+    reads, is not blamed; a branch graph held twice (both sides of an If) lists its draws once."""
     constants = _constants(model.graph)
-    readers = _readers(model.graph)
-    found = []
-    for node in model.graph.node:
-        held = [n for sub in _subgraphs(node) for g in _graphs(sub) for n in g.node]
-        reached: list[str] | None = None
-        for drawing in (n for n in [node, *held] if _draws(n, constants)):
-            reached = _reached_outputs(model.graph, node, readers) if reached is None else reached
-            found.append((drawing, reached))
-    return found
+    found: dict[tuple[str, str, tuple[str, ...]], tuple[onnx.NodeProto, list[str]]] = {}
+    for node, levels in _scoped_nodes(model.graph, ((model.graph, None),)):
+        if _draws(node, constants):
+            key = (node.op_type, node.name, tuple(node.output))
+            reached = _reached_outputs(node, levels)
+            before = found[key][1] if key in found else []
+            found[key] = (node, before + [o for o in reached if o not in before])
+    return list(found.values())
+
+
+# A graph and the node of its enclosing graph that holds it (None: the model's graph), outermost first.
+_Levels = tuple[tuple[onnx.GraphProto, onnx.NodeProto | None], ...]
+
+# Ops whose outputs depend on their input's shape only, not its values: a draw read only by them changes no output.
+_SHAPE_ONLY = frozenset({"Shape", "Size"})
+
+
+def _scoped_nodes(graph: onnx.GraphProto, levels: _Levels) -> Iterator[tuple[onnx.NodeProto, _Levels]]:
+    """Every node of ``graph`` and of its subgraphs, each with the graphs that enclose it (:data:`_Levels`)."""
+    for node in graph.node:
+        yield node, levels
+        for sub in _subgraphs(node):
+            yield from _scoped_nodes(sub, (*levels, (sub, node)))
+
+
+def _reached_outputs(start: onnx.NodeProto, levels: _Levels) -> list[str]:
+    """The model's outputs that the values ``start`` writes reach: traced to the outputs of the graph it is in,
+    those mapped to the outputs of the If/Loop node holding that graph (:func:`_holder_outputs`), and so on out."""
+    values = [o for o in start.output if o]
+    for graph, holder in reversed(levels):
+        reached = _reach(graph, values)
+        positions = [i for i, out in enumerate(graph.output) if out.name in reached]
+        if holder is None:
+            return [graph.output[i].name for i in positions]
+        values = _holder_outputs(holder, graph, positions)
+    return []
+
+
+def _reach(graph: onnx.GraphProto, start: list[str]) -> set[str]:
+    """The values of ``graph`` that ``start`` reaches through the nodes that read them (as an input, or from inside
+    one of their subgraphs: then every output of that node), not through Shape/Size (:data:`_SHAPE_ONLY`)."""
+    readers = _readers(graph)
+    reached, todo = set(start), list(start)
+    while todo:
+        for node in readers.get(todo.pop(), []):
+            new = [o for o in node.output if o and o not in reached and node.op_type not in _SHAPE_ONLY]
+            reached.update(new)
+            todo.extend(new)
+    return reached
+
+
+def _holder_outputs(holder: onnx.NodeProto, graph: onnx.GraphProto, positions: list[int]) -> list[str]:
+    """The outputs of ``holder`` (an If, a Loop, ...) that its subgraph ``graph``'s outputs at ``positions`` become:
+    an If's branch output i is its output i; a Loop body's scan output (after its condition and N carried values)
+    is output i - 1; its condition or a carried value, read again by the next iteration, may reach every output, as
+    may any output of another op's subgraph (a Scan's)."""
+    outputs = [o for o in holder.output if o]
+    if holder.op_type == "If":
+        return [holder.output[i] for i in positions if i < len(holder.output) and holder.output[i]]
+    carried = len(graph.input) - 2 if holder.op_type == "Loop" else len(graph.output)
+    if any(i <= carried for i in positions):
+        return outputs
+    return [holder.output[i - 1] for i in positions if i - 1 < len(holder.output) and holder.output[i - 1]]
 
 
 def refuse_random_graph(model: onnx.ModelProto, what: str, hint: str = RANDOM_HINT) -> None:
@@ -251,7 +307,8 @@ def refuse_random_graph(model: onnx.ModelProto, what: str, hint: str = RANDOM_HI
     found = [(node, outputs) for node, outputs in random_nodes(model) if outputs]
     if not found:
         return
-    said = "; ".join(f"{_random_op(n)} '{n.name or n.output[0]}' feeds {_outputs_text(o)}" for n, o in found[:3])
+    constants = _constants(model.graph)
+    said = "; ".join(f"{_random_op(n, constants)} feeds {_outputs_text(o)}" for n, o in found[:3])
     more = f"; and {len(found) - 3} more" if len(found) > 3 else ""
     raise ModelError(
         f"{what} draws random numbers at inference ({said}{more}): it answers the same inputs differently from run "
@@ -260,8 +317,15 @@ def refuse_random_graph(model: onnx.ModelProto, what: str, hint: str = RANDOM_HI
     )
 
 
-def _random_op(node: onnx.NodeProto) -> str:
-    return "Dropout with training_mode true" if node.op_type == "Dropout" else node.op_type
+def _random_op(node: onnx.NodeProto, constants: dict[str, onnx.TensorProto | onnx.AttributeProto]) -> str:
+    """The drawing node in words, its op and name: a Dropout with its training_mode, a constant true or the value
+    that gives it (a graph input: true or false as the caller feeds it)."""
+    name = repr(node.name or node.output[0])
+    if node.op_type != "Dropout":
+        return f"{node.op_type} {name}"
+    if node.input[2] in constants:
+        return f"Dropout with training_mode true {name}"
+    return f"Dropout {name} with training_mode given by input {node.input[2]!r}"
 
 
 def _outputs_text(outputs: list[str]) -> str:
@@ -306,19 +370,6 @@ def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
         for name in names:
             readers.setdefault(name, []).append(node)
     return readers
-
-
-def _reached_outputs(
-    graph: onnx.GraphProto, start: onnx.NodeProto, readers: dict[str, list[onnx.NodeProto]]
-) -> list[str]:
-    """The outputs of ``graph`` that the values ``start`` writes reach through the nodes that read them."""
-    reached, todo = set(start.output) - {""}, [o for o in start.output if o]
-    while todo:
-        for node in readers.get(todo.pop(), []):
-            new = [o for o in node.output if o and o not in reached]
-            reached.update(new)
-            todo.extend(new)
-    return [o.name for o in graph.output if o.name in reached]
 
 
 # Tensor types ONNX Runtime takes from numpy arrays as external initializers.

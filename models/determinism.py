@@ -21,7 +21,7 @@ from kiln.core.random_ops import RANDOM_HINT
 _RANDOM_SHARE, _RANDOM_FLOOR = 1e-3, 1e-5
 
 
-def refuse_random(model: nn.Module, x: Inputs) -> None:
+def refuse_random(model: nn.Module, x: Inputs, generators: bool = False) -> None:
     """A model that answers the same inputs differently from call to call in eval mode is an error naming why,
     before the export: its export parity, the optimizer's safety net and validation would each fail on it, or read
     it as a model whose rows depend on their batch, and blame something else. Why: buffers forward updates (a state
@@ -29,10 +29,25 @@ def refuse_random(model: nn.Module, x: Inputs) -> None:
     forward, ``F.dropout(x, p, training=True)``) or a state kept in a plain attribute (``self.calls += 1``), which
     two calls cannot tell apart. Two forwards of the rows ``x``, each on a copy of them (the data is not changed);
     small random draws may pass here, and the exported graph's random ops are checked on their own
-    (:func:`kiln.core.onnx_io.refuse_random_graph`)."""
+    (:func:`kiln.core.onnx_io.refuse_random_graph`). ``generators``: also refuse a forward that draws from torch's
+    default generators though its outputs do not move yet (noise at a scale that starts at zero), for the check
+    before training, which would otherwise train fully for the export to refuse the graph (at the export the
+    graph's own check decides). The generators' states are restored either way: the check draws nothing a run
+    would see."""
+    saved = _generator_states()
+    try:
+        _refuse_random(model, x, saved if generators else None)
+    finally:
+        _restore_generators(saved)
+
+
+def _refuse_random(model: nn.Module, x: Inputs, saved: list[torch.Tensor] | None) -> None:
+    """:func:`refuse_random`; ``saved``: the generators' states before the first call, to compare after it (None:
+    not compared)."""
     copy = lambda: rebuild(x, [t.clone() for t in tensors(x)])  # noqa: E731
     given = copy()
     first = _outputs(model, given)
+    drawn = saved is not None and not all(_same(a, b) for a, b in zip(saved, _generator_states()))
     if not all(_same(a, b) for a, b in zip(tensors(given), tensors(x))):
         raise ModelError(
             "the model's forward changes its inputs in place (x.mul_(...), x /= 255): the export, the parity check "
@@ -43,6 +58,7 @@ def refuse_random(model: nn.Module, x: Inputs) -> None:
     second = _outputs(model, copy())
     moved = _moved_output(first, second)
     if moved is None:
+        _refuse_silent_draws(drawn)
         return
     said = f"the model answers the same inputs differently from call to call in eval mode ({moved})"
     updated = [k for k, b in model.named_buffers() if k in buffers and not _same(b, buffers[k])]
@@ -58,6 +74,34 @@ def refuse_random(model: nn.Module, x: Inputs) -> None:
         "keeps a state from call to call in an attribute (self.calls += 1)",
         hint=f"{RANDOM_HINT}; keep no state between calls (pass it in and return it as tensors: an engine keeps none)",
     )
+
+
+def _refuse_silent_draws(drawn: bool) -> None:
+    """A ModelError where a forward whose outputs agree from call to call drew from torch's default generators:
+    its noise is scaled by a weight that starts at zero (StyleGAN's ``h + self.weight * torch.randn_like(h)``),
+    so the draws show only once training moves the weight, and the export refuses the graph then."""
+    if not drawn:
+        return
+    raise ModelError(
+        "the model's forward draws random numbers in eval mode (torch.randn_like, torch.rand), though its outputs "
+        "did not move yet (noise at a scale that starts at zero, as in h + self.weight * torch.randn_like(h), or "
+        "one too small to tell apart): once training moves it they will, and the export would refuse the graph "
+        "after the whole training",
+        hint=RANDOM_HINT,
+    )
+
+
+def _generator_states() -> list[torch.Tensor]:
+    """The states of torch's default generators: the CPU one, and each GPU's where CUDA is initialised."""
+    states = [torch.get_rng_state()]
+    return states + (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])
+
+
+def _restore_generators(saved: list[torch.Tensor]) -> None:
+    """Put the default generators back as :func:`_generator_states` read them."""
+    torch.set_rng_state(saved[0])
+    if len(saved) > 1:
+        torch.cuda.set_rng_state_all(saved[1:])
 
 
 def _outputs(model: nn.Module, x: Inputs) -> dict[str, np.ndarray]:

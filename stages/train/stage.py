@@ -392,9 +392,11 @@ def _probe(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, lookup
 
 def _refuse_random_in_eval(model: nn.Module, x: Any) -> None:
     """:func:`~kiln.models.determinism.refuse_random` on the probe rows ``x`` in eval mode, the mode the export and
-    every engine compute in; the model is left in training mode, as :func:`_probe` leaves it."""
+    every engine compute in, draws from torch's generators refused too (noise at a scale that starts at zero agrees
+    from call to call only until training moves it); the model is left in training mode, as :func:`_probe`
+    leaves it."""
     try:
-        refuse_random(model.eval(), x)
+        refuse_random(model.eval(), x, generators=True)
     finally:
         model.train()
 

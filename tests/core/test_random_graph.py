@@ -1,6 +1,7 @@
 """The graph check for random draws at inference (:func:`kiln.core.onnx_io.random_nodes`): a VAE's sampling and an
 MC-dropout head are found as both of torch's exporters write them, with the outputs their draws reach; a dropout that
-follows the mode, a Dropout without training_mode, and a draw that no output reads are not."""
+follows the mode, a Dropout without training_mode, and a draw that no output reads (dead in a branch, feeding only an
+If's output that nothing reads, or read only for its shape) are not."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_a_dropout_draws_only_in_training_mode_at_a_ratio_above_0(mode: bool | N
     assert [n.name for n, _ in random_nodes(graph)] == (["drop"] if draws else [])
 
 
-def test_a_draw_no_output_reads_is_not_refused_and_one_in_a_branch_names_the_if() -> None:
+def test_a_draw_no_output_reads_is_not_refused_and_one_in_a_shared_branch_is_named_once() -> None:
     dead = _graph(
         [
             helper.make_node("RandomNormalLike", ["x"], ["noise"], name="unread"),
@@ -81,6 +82,67 @@ def test_a_draw_no_output_reads_is_not_refused_and_one_in_a_branch_names_the_if(
     )
     cond = helper.make_tensor("cond", TensorProto.BOOL, [], [True])
     graph = _graph([helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=branch)], [cond])
-    assert [(n.name, outputs) for n, outputs in random_nodes(graph)] == [("inner", ["y"]), ("inner", ["y"])]
+    assert [(n.name, outputs) for n, outputs in random_nodes(graph)] == [("inner", ["y"])]  # one branch, held twice
     with pytest.raises(ModelError, match="RandomUniformLike 'inner' feeds output 'y'"):
+        refuse_random_graph(graph, "m.onnx")
+
+
+_COND = helper.make_tensor_value_info("cond", TensorProto.BOOL, [])
+
+
+def _branch(nodes: list[onnx.NodeProto], outputs: list[str]) -> onnx.GraphProto:
+    return helper.make_graph(
+        nodes, "branch", [], [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs]
+    )
+
+
+def _with_if(then: onnx.GraphProto, other: onnx.GraphProto, outputs: list[str]) -> onnx.ModelProto:
+    """``y = If(cond, then, other)`` with ``outputs`` (``y`` first: the only graph output)."""
+    graph = _graph([helper.make_node("If", ["cond"], outputs, then_branch=then, else_branch=other)])
+    graph.graph.input.append(_COND)
+    return graph
+
+
+def test_a_draw_dead_in_a_branch_or_feeding_only_an_if_output_nothing_reads_is_not_refused() -> None:
+    noise = helper.make_node("RandomNormalLike", ["x"], ["noise"], name="noise")
+    dead = _with_if(
+        _branch([noise, helper.make_node("Identity", ["x"], ["t"])], ["t"]),
+        _branch([helper.make_node("Identity", ["x"], ["e"])], ["e"]),
+        ["y"],
+    )
+    unread = _with_if(
+        _branch([noise, helper.make_node("Identity", ["x"], ["t"])], ["t", "noise"]),
+        _branch(
+            [helper.make_node("Identity", ["x"], ["e1"]), helper.make_node("Identity", ["x"], ["e2"])], ["e1", "e2"]
+        ),
+        ["y", "debug"],
+    )
+    for graph in (dead, unread):
+        assert [(n.name, outputs) for n, outputs in random_nodes(graph)] == [("noise", [])]
+        refuse_random_graph(graph, "m.onnx")
+
+
+@pytest.mark.parametrize("op", ["Shape", "Size"])
+def test_a_draw_read_only_for_its_shape_is_not_refused(op: str) -> None:
+    """``y = x * ones(shape(noise))`` or ``y = x * size(noise)``: the drawn values change nothing."""
+    if op == "Shape":
+        read = [helper.make_node("ConstantOfShape", ["n"], ["scale"], value=helper.make_tensor("v", 1, [1], [1.0]))]
+    else:
+        read = [helper.make_node("Cast", ["n"], ["scale"], to=TensorProto.FLOAT)]
+    drawn = [
+        helper.make_node("RandomNormalLike", ["x"], ["noise"], name="noise"),
+        helper.make_node(op, ["noise"], ["n"]),
+    ]
+    graph = _graph([*drawn, *read, helper.make_node("Mul", ["x", "scale"], ["y"])])
+    assert [(n.name, outputs) for n, outputs in random_nodes(graph)] == [("noise", [])]
+    refuse_random_graph(graph, "m.onnx")
+
+
+def test_a_dropout_whose_training_mode_is_an_input_says_so() -> None:
+    graph = _graph(
+        [helper.make_node("Dropout", ["x", "ratio", "tm"], ["y"], name="drop")],
+        [helper.make_tensor("ratio", TensorProto.FLOAT, [], [0.5])],
+    )
+    graph.graph.input.append(helper.make_tensor_value_info("tm", TensorProto.BOOL, []))
+    with pytest.raises(ModelError, match="Dropout 'drop' with training_mode given by input 'tm' feeds output 'y'"):
         refuse_random_graph(graph, "m.onnx")

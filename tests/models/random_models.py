@@ -1,6 +1,7 @@
 """Tiny stochastic models as research code writes them, for the checks that refuse random draws at inference: a
 VAE that samples ``z = mu + scale * eps * std`` in eval mode too, an MC-dropout head, a dropout that follows the
-mode, and a forward that keeps a call counter in a plain attribute; with autoencoder data (targets: the inputs)."""
+mode, a forward that keeps a call counter in a plain attribute, noise at a scale that starts at zero, and a model of
+one row a call; with autoencoder data (targets: the inputs)."""
 
 from __future__ import annotations
 
@@ -42,26 +43,65 @@ def sampling(how: str = "randn", scale: float = 1.0) -> nn.Module:
     return Sampling(how, scale)
 
 
+class OneRow(nn.Module):
+    """A model of one row a call, as code written for a batch of one is: its forward flattens the input to
+    ``[1, 6]`` (two rows are an error)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"y": self.fc(x.reshape(1, 6))}
+
+
+def one_row() -> nn.Module:
+    torch.manual_seed(0)
+    return OneRow()
+
+
+class ZeroNoise(nn.Module):
+    """StyleGAN's noise input: ``h + self.weight * torch.randn_like(h)`` in eval mode too, the weight starting at
+    zero, so that the outputs agree from call to call until training moves it; ``dropout``: an ``nn.Dropout`` (no
+    draw in eval mode) instead of the noise."""
+
+    def __init__(self, dropout: bool = False) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(6, 4), nn.Linear(4, 6)
+        self.weight = nn.Parameter(torch.zeros(4))
+        self.drop = nn.Dropout(0.5) if dropout else None
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.fc(x)
+        h = self.drop(h) if self.drop is not None else h + self.weight * torch.randn_like(h)
+        return {"image": self.out(h)}
+
+
+def zero_noise(dropout: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return ZeroNoise(dropout)
+
+
 def load() -> DatasetSplits:
     """64 rows of 6 features, each its own target (an autoencoder's)."""
     x = torch.rand(64, 6, generator=torch.Generator().manual_seed(0))
     return DatasetSplits(x[:48], x[:48].clone(), x[48:], x[48:].clone())
 
 
-def export_torchscript(model: nn.Module, path: Path) -> Path:
+def export_torchscript(model: nn.Module, path: Path, output: str = "image", rows: int | None = None) -> Path:
     """``model`` in eval mode as an ONNX file exported elsewhere, by the TorchScript exporter (input ``x``, output
-    ``image``, a dynamic batch)."""
+    ``output``; a dynamic batch, or ``rows`` fixed)."""
     f = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             model.eval(),
-            (torch.rand(2, 6),),
+            (torch.rand(rows or 2, 6),),
             f,
             dynamo=False,
             input_names=["x"],
-            output_names=["image"],
-            dynamic_axes={"x": {0: "batch"}, "image": {0: "batch"}},
+            output_names=[output],
+            dynamic_axes=None if rows else {"x": {0: "batch"}, output: {0: "batch"}},
         )
     path.write_bytes(f.getvalue())
     return path

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.torch import save_file
 
-from tests.models.random_models import export_torchscript, sampling
+from tests.models.random_models import export_torchscript, one_row, sampling
 from tests.pipeline.test_faults import assert_clean, invoke
 
 
@@ -44,3 +44,16 @@ def test_a_checkpoint_reference_that_samples_is_refused(engines: dict[str, Path]
     model = ("--set", "model.name=tests.models.random_models:sampling")
     result = invoke("validate", engines["mean"], "--reference", weights, "--inputs", engines["x.npz"], *model)
     assert_clean(result, 2, "differently from call to call in eval mode", "return the deterministic value")
+
+
+def test_a_checkpoint_reference_of_one_row_a_call_is_checked_on_the_batches_it_gets(tmp_path: Path) -> None:
+    """An engine exported at batch 1 runs the reference one row a call: the check that it answers alike ran it on
+    two rows, and a forward that flattens to [1, 6] failed as a reference that cannot take the engine's inputs."""
+    graph = export_torchscript(one_row(), tmp_path / "one.onnx", output="y", rows=1)
+    assert invoke("build", graph, "-o", tmp_path / "engine").exit_code == 0
+    weights, inputs = tmp_path / "one.safetensors", tmp_path / "x.npz"
+    save_file(one_row().state_dict(), str(weights))
+    np.savez(inputs, x=np.random.default_rng(0).random((3, 6), np.float32))
+    model = ("--set", "model.name=tests.models.random_models:one_row")
+    result = invoke("validate", tmp_path / "engine", "--reference", weights, "--inputs", inputs, *model)
+    assert result.exit_code == 0, result.output
