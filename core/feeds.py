@@ -150,8 +150,15 @@ def _cast_fix(array: np.ndarray, dtype: np.dtype, npz: bool) -> str:
     (", e.g. x.astype('uint8')"), or why no cast does: floats in [0, 1] given to an unsigned integer input are an
     image's intensities, scaled to the dtype's range first (a cast alone makes every pixel 0 or 1); floats with
     fractions given to another integer input, or values past ``dtype``'s range, would lose their values to a cast,
-    so none is offered. ``npz``: numpy's arrays; else a torch tensor's conversion is written beside it."""
+    so none is offered; nor where the data holds NaN or infinity and ``dtype`` is an integer or bool, which no
+    integer holds (a cast makes NaN -9223372036854775808). ``npz``: numpy's arrays; else a torch tensor's conversion
+    is written beside it."""
     values = _finite_values(array)
+    if dtype.kind in "iub" and array.dtype.kind == "f" and values.size < array.size:
+        return (
+            f": its data holds NaN or infinite values, which no {dtype} holds (a cast would make them arbitrary "
+            "numbers); clean or drop those samples and give the values it takes"
+        )
     if dtype.kind in "iub" and array.dtype.kind == "f" and values.size and (values != np.round(values)).any():
         if dtype.kind == "u" and values.min() >= 0 and values.max() <= 1:
             top = np.iinfo(dtype).max

@@ -50,7 +50,7 @@ from kiln.core.compare import Masks, agrees, masks_of, set_aside
 from kiln.core.data import feed_for_graph, rows, take
 from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
 from kiln.core.inputs import largest_sizes, random_inputs
-from kiln.core.records import TensorSpec
+from kiln.core.records import EngineMetadata, TensorSpec
 from kiln.core.timing import BUSY_SPREAD, median_interval
 from kiln.models.config import ModelConfig
 from kiln.models.model_io import dataset_for, on_random_inputs
@@ -514,13 +514,13 @@ def answer_band(base: tuple[float, float], deviation: dict[str, Any]) -> tuple[f
 
 
 def batching_cause(
-    deviation: dict[str, Any], tolerance: tuple[float, float], worst: float, precision: str | None = None
+    deviation: dict[str, Any], tolerance: tuple[float, float], worst: float, meta: EngineMetadata | None = None
 ) -> str | None:
     """Why a correct server's answers were counted wrong, where batching moves the engine's own answers past what
     they could be held to (:func:`answer_band` capped the band) and the wrong answers, off by up to ``worst`` of
     their scale, lie within :data:`BAND_SAFETY` times what it moves them by; None otherwise (the server's fault: an
-    answer further off is no batch mate's doing). ``precision``: the engine's (its metadata's), which names what
-    moves its answers (:func:`batch_mover`)."""
+    answer further off is no batch mate's doing). ``meta``: the engine's metadata, which names what moves its
+    answers (:func:`batch_mover`)."""
     moved = max((v for v in deviation["rtol"].values() if np.isfinite(v)), default=0.0)
     if not tolerance[1] < BAND_SAFETY * moved or not worst <= BAND_SAFETY * moved:
         return None
@@ -529,45 +529,76 @@ def batching_cause(
         f"{', '.join(map(str, deviation['batches']))} its answers move by up to {moved:.3g} of their scale, and "
         f"answers can be held to no more than {tolerance[1]:.3g} (where another request's answer is still wrong); "
         f"the wrong ones were off by up to {worst:.3g}, within {BAND_SAFETY:g} x that, as the server's dynamic "
-        f"batching moves them ({batch_mover(precision)})"
+        f"batching moves them ({batch_mover(meta)})"
     )
 
 
-DYNAMIC_INT8 = "a dynamically quantized INT8 engine computes its activation scales per batch"
+BATCH_SCALES = "a quantized engine that computes its activation scales per batch (dynamic INT8, tensorwise FP8)"
 COUPLED_MODEL = (
     "the model's rows read their batch mates: a batch-coupled model, such as a normalization or a branch on a "
     "statistic over the whole batch"
 )
+# the setting that gives each backend's quantized engines static scales, and the page that tells of it
+STATIC_SCALES = {
+    "onnxruntime": "calibration.ort_cpu_scheme: static, docs/stages.md",
+    "torch": "build.torch.lowbit_scaling: static, docs/engines.md",
+}
 
 
-def batch_mover(precision: str | None) -> str:
-    """What makes an engine of ``precision`` answer otherwise in a batch than alone: an INT8 engine's dynamic
-    quantization (activation scales per batch); any other engine computes each row as it would alone, up to
-    rounding, so the model itself mixes rows. Both where the precision is not known."""
-    if precision == "int8":
-        return DYNAMIC_INT8
-    return COUPLED_MODEL if precision is not None else f"{DYNAMIC_INT8}, or {COUPLED_MODEL}"
+def batch_scaling(meta: EngineMetadata) -> str | None:
+    """How an INT8 or FP8 engine whose quantization scales span the batch finds them at each call, else None.
+
+    ONNX Runtime's INT8 engines are dynamically quantized unless the precision stage chose the static scheme
+    (recorded as ``ort_cpu_scheme`` where the builder records it). A torch FP8 or INT8 engine records its
+    ``lowbit_scaling``: tensorwise takes each layer input's largest magnitude over the whole batch; static scales
+    are fixed at the build and rowwise ones are each row's own, which its batch mates do not move. TensorRT's are
+    calibrated, fixed."""
+    settings = meta.builder_settings
+    if meta.precision not in ("int8", "fp8"):
+        return None
+    if meta.backend == "torch":
+        scaling = settings.get("lowbit_scaling", "tensorwise")
+        return f"build.torch.lowbit_scaling {scaling}" if scaling == "tensorwise" else None
+    if meta.backend == "onnxruntime" and settings.get("ort_cpu_scheme", "dynamic") == "dynamic":
+        return "dynamically quantized"
+    return None
+
+
+def batch_mover(meta: EngineMetadata | None) -> str:
+    """What makes an engine answer otherwise in a batch than alone: a quantized engine's scales found over each
+    batch (:func:`batch_scaling`); any other engine computes each row as it would alone, up to rounding, so the model
+    itself mixes rows. Both where the engine is not known."""
+    if meta is None:
+        return f"{BATCH_SCALES}, or {COUPLED_MODEL}"
+    scaling = batch_scaling(meta)
+    if scaling is None:
+        return COUPLED_MODEL
+    if meta.backend == "torch":
+        return f"an {meta.precision.upper()} engine with {scaling} computes its activation scales per batch"
+    return f"a {scaling} {meta.precision.upper()} engine computes its activation scales per batch"
 
 
 def batching_hint(engines: str | Path, engine: ServedEngine, protocol: str) -> str:
     """The fix for an engine whose answers depend on their batch mates (:func:`batching_cause`): a load test of an
-    engine that answers alike in any batch, or of this one served unbatched, tells the server's own faults. For an
-    INT8 engine, names the FP32 engine served beside it, of its own backend and device first; for another, whose
-    model mixes rows, serving it unbatched is the fix, and a validation that finds the coupling packages it so."""
+    engine that answers alike in any batch, or of this one served unbatched, tells the server's own faults. For a
+    quantized engine whose scales span the batch, names the FP32 engine served beside it, of its own backend and
+    device first, and the setting that gives its backend static scales; for another, whose model mixes rows, serving
+    it unbatched is the fix, and a validation that finds the coupling packages it so."""
     unbatched = "this one served without batching (kiln serve --max-batch 0)" if protocol != "ray" else ""
-    if engine.meta.precision != "int8":
+    meta = engine.meta
+    if batch_scaling(meta) is None:
         served = f"serve {unbatched}" if unbatched else "serve it without batching"
         return (
             f"{served}, or rerun validation (kiln run --from validate) so that it finds the outputs that depend on "
             "the whole batch and packages the engines unbatched; if its answers differ unbatched too, check that "
             "the server serves the engine -e names"
         )
-    own = (engine.meta.backend, engine.meta.device)
+    own = (meta.backend, meta.device)
     fp32 = [e for e in find_engines(engines) if e.meta.precision == "fp32"]
     fp32.sort(key=lambda e: ((e.meta.backend, e.meta.device) != own, e.model_name))
     return (
-        f"load-test the FP32 engine (--model {fp32[0].model_name if fp32 else 'NAME'}) or an INT8 engine with "
-        f"static scales (calibration.ort_cpu_scheme: static, docs/stages.md){', or ' + unbatched if unbatched else ''}"
+        f"load-test the FP32 engine (--model {fp32[0].model_name if fp32 else 'NAME'}) or an {meta.precision.upper()} "
+        f"engine with static scales ({STATIC_SCALES[meta.backend]}){', or ' + unbatched if unbatched else ''}"
         "; if its answers differ too, check that the server serves the engine -e names"
     )
 
@@ -1314,7 +1345,7 @@ def loadtest(
     failed = sum(lv["errors"] for lv in levels)
     worst = functools.reduce(worse, (lv["worst_wrong"] for lv in levels), 0.0)
     only_wrong = wrong and not failed  # a failed request is the server's
-    cause = batching_cause(deviation, tolerance, worst, engine.meta.precision) if only_wrong else None
+    cause = batching_cause(deviation, tolerance, worst, engine.meta) if only_wrong else None
     if cause:
         raise GateFailure(
             f"{wrong} answers differed from the engine's direct output under load (see {out / 'loadtest.json'}): "

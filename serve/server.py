@@ -157,16 +157,35 @@ def _unvalidated_sizes(meta: EngineMetadata) -> str:
     return f"only at the sizes it records, those it was built for ({', '.join(bounds)})"
 
 
-def changed_since_packaged(workdir: Path) -> list[str]:
-    """The stages ``workdir``'s package was made from whose results are no longer those it was made from: their
-    outputs hash otherwise than the package recorded (:func:`changed_inputs`) and they ran again since it was made.
-    A stage whose record predates the package's ran on nothing since: its results are those packaged, whatever
-    its hash reads now. Where every stage that hashes otherwise predates it, all of them are named (files put
-    there since, not by a run: still not the package's)."""
+def changed_since_packaged(workdir: Path) -> tuple[list[str], bool]:
+    """The stages ``workdir``'s package was made from whose results are no longer those it was made from, and
+    whether a run redid them. Those that hash otherwise than the package recorded (:func:`changed_inputs`) and ran
+    again since it was made: True. A stage whose record predates the package's ran on nothing since: its results
+    are those packaged, whatever its hash reads now. Where every stage that hashes otherwise predates it, all of
+    them are named with False: their files changed since, not by a run (still not the package's)."""
     changed = changed_inputs(workdir, "package")
     packaged = _finished(workdir / "package")
-    rerun = [up for up in changed if packaged is None or (ran := _finished(workdir / up)) is None or ran >= packaged]
-    return rerun or changed
+    # a stage of the package's own run may finish in the package's second (whole seconds): only later is a rerun
+    rerun = [up for up in changed if packaged is None or (ran := _finished(workdir / up)) is None or ran > packaged]
+    return (rerun, True) if rerun else (changed, False)
+
+
+def _stale_package(path: Path, changed: list[str], rerun: bool, engine: Path) -> GateFailure:
+    """The refusal to serve ``path``'s package, made from other results of ``changed`` than the workdir's:
+    redone by a later run that did not package (``rerun``), or their files changed since, by no run."""
+    if rerun:
+        return GateFailure(
+            f"{path / 'package'} holds the engines of an earlier run: {_listed(changed)} changed since it was made "
+            f"(a later run redid {'them' if changed[1:] else 'it'} and failed, or stopped, before its package stage)",
+            hint="see report.md and `kiln run` again until it passes; to serve the earlier engines anyway, pass "
+            f"one's folder: kiln serve {engine}",
+        )
+    return GateFailure(
+        f"{path / 'package'} was made from other results than the workdir holds: the files of {_listed(changed)} "
+        "differ from those packaged (changed since it was made, by no run of its stages)",
+        hint="`kiln run` again, so that it redoes what those files feed and packages the result; to serve the "
+        f"packaged engines anyway, pass one's folder: kiln serve {engine}",
+    )
 
 
 def _finished(stage_dir: Path) -> datetime | None:
@@ -213,13 +232,9 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
         shipped = sorted(p.parent for p in (path / "engines").glob(f"*/{SIDECAR}"))
         return [ServedEngine(model_name(d.name), d, read_metadata(d)) for d in shipped]
     packaged = sorted(p.parent for p in (path / "package" / "engines").glob(f"*/{SIDECAR}"))
-    if packaged and (changed := changed_since_packaged(path)):
-        raise GateFailure(
-            f"{path / 'package'} holds the engines of an earlier run: {_listed(changed)} changed since it was made "
-            f"(a later run redid {'them' if changed[1:] else 'it'} and failed, or stopped, before its package stage)",
-            hint="see report.md and `kiln run` again until it passes; to serve the earlier engines anyway, pass "
-            f"one's folder: kiln serve {packaged[0]}",
-        )
+    changed, rerun = changed_since_packaged(path) if packaged else ([], False)
+    if changed:
+        raise _stale_package(path, changed, rerun, packaged[0])
     if packaged:
         return [ServedEngine(model_name(d.name), d, read_metadata(d)) for d in packaged]
     built = sorted(p.parent for p in (path / "build").glob(f"*/{SIDECAR}"))

@@ -53,3 +53,14 @@ def test_a_data_functions_arrays_get_the_torch_conversion_too() -> None:
     with pytest.raises(InputFileError) as err:
         check_feed({"ids": ids}, IDS, "dataset 'mine:load' val_x", "model.onnx m.onnx")
     assert err.value.hint == "give it as int64[batch, 6], e.g. x.astype('int64') (a torch tensor: x.to(torch.int64))"
+
+
+@pytest.mark.parametrize("fill", ["all", "some"])
+def test_floats_with_nan_get_no_cast_to_an_integer_input(tmp_path: Path, fill: str) -> None:
+    """x.astype('int64') turned NaN into -9223372036854775808; the fix now says the data holds NaN."""
+    ids = np.full((2, 6), np.nan) if fill == "all" else np.arange(12, dtype=np.float64).reshape(2, 6)
+    ids[0, 1] = np.nan
+    hint = _hint(tmp_path / "x.npz", IDS, ids=ids)
+    assert "astype" not in hint and "NaN" in hint, hint
+    inf = _hint(tmp_path / "y.npz", IMAGE, image=np.full((2, 3, 4, 4), np.inf, np.float32))
+    assert "astype" not in inf and "infinite" in inf, inf

@@ -1,5 +1,7 @@
 """`kiln loadtest`'s failure for an engine whose answers move with their batch mates names the cause that fits the
-engine: an FP32 engine has no dynamic quantization, so its model's rows read their batch mates."""
+engine: an FP32 engine has no dynamic quantization, so its model's rows read their batch mates; an INT8 or FP8
+engine whose scales are found over each batch (ORT's dynamic INT8, torch's tensorwise lowbit_scaling) is blamed on
+its scaling, with its backend's setting for static scales."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from kiln.core.records import EngineMetadata, EngineSource
+from kiln.serve import loadtest
 from kiln.serve.loadtest import (
     BAND_CAP,
     TOLERANCE,
@@ -85,11 +90,52 @@ def test_an_fp32_engines_batch_moved_answers_are_blamed_on_its_batch_coupled_mod
     ]
     assert wrong  # a correct server of the engine is counted wrong: the failure must say why
 
-    cause = batching_cause(deviation, band, max(wrong), meta.precision)
+    cause = batching_cause(deviation, band, max(wrong), meta)
     assert cause and "the model's rows read their batch mates" in cause, cause
     assert "quantized" not in cause and "INT8" not in cause, cause
     hint = batching_hint(tmp_path, ServedEngine("onnxruntime_cpu_fp32", engine_dir, meta), "http")
     assert "kiln serve --max-batch 0" in hint and "kiln run --from validate" in hint, hint
     assert "load-test the FP32 engine" not in hint and "ort_cpu_scheme" not in hint, hint
-    int8 = batching_cause(deviation, band, max(wrong), "int8")
+    int8 = batching_cause(deviation, band, max(wrong), meta.model_copy(update={"precision": "int8"}))
     assert int8 and "activation scales per batch" in int8 and "batch-coupled" not in int8, int8
+
+
+def _torch_meta(precision: str, scaling: str) -> EngineMetadata:
+    source = EngineSource(file="model.onnx", sha256="0" * 64)
+    return EngineMetadata(
+        name=f"torch-cuda-{precision}",
+        backend="torch",
+        device="cuda",
+        precision=precision,
+        inputs=[],
+        outputs=[],
+        source=source,
+        files={"model": "model.pt2"},
+        flavour="compiled",
+        versions={},
+        builder_settings={"lowbit_scaling": scaling},
+    )
+
+
+DEVIATION = {"rtol": {"logits": 0.05}, "atol": 0.0, "batches": [8, 16], "separation": None}
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_a_torch_lowbit_engine_with_per_batch_scales_is_blamed_on_its_scaling(
+    tmp_path: Path, precision: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An FP8 engine with tensorwise scaling (each layer input's largest magnitude over the whole batch, at each
+    call) was blamed on its model; the fix named ONNX Runtime's setting for an INT8 engine."""
+    monkeypatch.setattr(loadtest, "find_engines", lambda engines: [])  # no FP32 engine served beside it
+    meta = _torch_meta(precision, "tensorwise")
+    cause = batching_cause(DEVIATION, (1e-3, BAND_CAP), 0.06, meta)
+    assert cause and "build.torch.lowbit_scaling tensorwise" in cause and "batch mates" not in cause, cause
+    hint = batching_hint(tmp_path, ServedEngine(f"torch_cuda_{precision}", tmp_path, meta), "http")
+    assert "build.torch.lowbit_scaling: static" in hint and "ort_cpu_scheme" not in hint, hint
+    assert f"an {precision.upper()} engine with static scales" in hint, hint
+    for scaling in ("static", "rowwise"):  # fixed at the build, or each row's own: batch mates move neither
+        fixed = _torch_meta(precision, scaling)
+        cause = batching_cause(DEVIATION, (1e-3, BAND_CAP), 0.06, fixed)
+        assert cause and "the model's rows read their batch mates" in cause, cause
+        hint = batching_hint(tmp_path, ServedEngine(f"torch_cuda_{precision}", tmp_path, fixed), "http")
+        assert "kiln serve --max-batch 0" in hint and "lowbit_scaling" not in hint, hint

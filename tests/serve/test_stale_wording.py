@@ -1,5 +1,6 @@
 """`kiln serve WORKDIR` refusing a package kept from an earlier run: it names the stages a later run redid, as a
-list ("build, train and validate"), and not a stage that has not run since the package was made."""
+list ("build, train and validate"), and not a stage that has not run since the package was made; where no stage ran
+since, it says the files differ, not that a run redid them."""
 
 from __future__ import annotations
 
@@ -59,3 +60,22 @@ def test_a_stage_that_has_not_run_since_the_package_was_made_is_not_said_to_have
     manifest.write_text(json.dumps(record))
     said = _refusal(workdir)
     assert ": validate changed since it was made (a later run redid it" in said and "train" not in said
+
+
+@pytest.mark.parametrize("dated", [False, True])
+def test_files_changed_by_no_run_are_not_said_to_be_redone(packaged: Path, tmp_path: Path, dated: bool) -> None:
+    """No stage ran after the package, yet validate's record differs from the package's: the refusal said a later
+    run redid it and failed, which no run did. ``dated``: validate a day before the package; else as the run left
+    them (often the same second)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(packaged, workdir)
+    for stage, day in (("validate", "01"), ("package", "02")) if dated else ():
+        stamped = json.loads((workdir / stage / "manifest.json").read_text())
+        stamped["finished"] = f"2026-01-{day}T00:00:00+00:00"
+        (workdir / stage / "manifest.json").write_text(json.dumps(stamped))
+    manifest = workdir / "package" / "manifest.json"
+    record = json.loads(manifest.read_text())
+    record["key_parts"]["inputs"]["validate"] = "0" * 64
+    manifest.write_text(json.dumps(record))
+    said = _refusal(workdir)
+    assert "the files of validate differ from those packaged" in said and "a later run" not in said, said

@@ -143,17 +143,33 @@ def _measures(cfg: TorchConfig, device: str, precision: str, mode: str) -> bool:
     return False
 
 
+# torch's words for two tensors of different float dtypes meeting in one op (linear, matmul, addmm, bmm, conv, lerp,
+# norms, recurrent layers, attention, index_put, scatter), on the CPU and the GPU
+DTYPE_CLASH = re.compile(
+    r"should be the same|same dtype|dtypes must be the same|dtypes match|does not match weight dtype"
+    r"|expected scalar type|expect parameter to have scalar type|mixed dtype|dtype to be equal|expected [^.]*dtype",
+    re.IGNORECASE,
+)
+NOT_HALF_HINT = (
+    "the model fails with float16 weights for another reason than its own float32 tensors (an op without float16 "
+    "kernels, such as torch.fft or torch.linalg, or a fault in forward): leave fp16 out of precision.variants for "
+    "this model, or use the ONNX engines of this precision"
+)
+
+
 def _served(model: Any, names: list[str], precision: str, channels_last: bool, autocast: str | None = None) -> Any:
     """The model as the engine runs it: inputs as the ONNX graph declares them (in its order), float32 ones cast to
     the engine's precision and every input to its memory format inside, and passed as the export passed them (by
     name for a dict's keys or the forward's parameters); outputs flattened as the ONNX export flattened them (a
-    tuple, dict or ``ModelOutput`` to its tensors, :func:`kiln.core.outputs.flatten_outputs`), those in the engine's
-    precision back in FP32. Inputs of other dtypes (float64 coordinates a model centres before its own cast,
+    tuple, dict or ``ModelOutput`` to its tensors, :func:`kiln.core.outputs.flatten_outputs`), 16-bit float ones
+    (the engine's precision, or a bfloat16 the model makes itself) back in FP32: the runner hands NumPy arrays
+    out, and NumPy has no bfloat16. Inputs of other dtypes (float64 coordinates a model centres before its own cast,
     integers, a uint8 image) reach the model unchanged: cast, they would lose what the model keeps them for.
     ``autocast``: the device type to run the model under ``torch.autocast`` on (:func:`_autocast_reason`)."""
     import torch
 
     dtype = _dtype(precision)
+    halves = (torch.float16, torch.bfloat16)
     keywords = by_keyword(model, names)
 
     class Served(torch.nn.Module):
@@ -167,7 +183,7 @@ def _served(model: Any, names: list[str], precision: str, channels_last: bool, a
                 xs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in xs)
             with torch.autocast(autocast, dtype=dtype) if autocast else contextlib.nullcontext():
                 out = self.model(**dict(zip(names, xs))) if keywords else self.model(*xs)
-            return tuple(o.float() if o.dtype == dtype else o for o in flatten_outputs(out).values())
+            return tuple(o.float() if o.dtype in halves else o for o in flatten_outputs(out).values())
 
     return Served()
 
@@ -183,7 +199,10 @@ def _autocast_reason(model: Any, req: BuildRequest, args: tuple[Any, ...]) -> st
     convolution and matrix multiply, as the plain engine computes them; its float32 ops (softmax, normalization)
     run in float32. Skipping the engine would leave every model that normalizes its own inputs without one. A model
     that fails under autocast too is a :class:`BuildError` naming both errors: the stage skips the engine, reported
-    with the reason."""
+    with the reason. Only a dtype clash (:data:`DTYPE_CLASH`) takes the autocast path. Another error is a
+    :class:`BuildError` with the error as it came and no cast hint: an op without float16 kernels
+    (``torch.fft.rfft``, ``torch.linalg.inv``) passes under autocast only because autocast runs it in float32, an
+    engine that is not the float16 one it says; an ``IndexError`` is no dtype problem."""
     import torch
 
     if _dtype(req.precision) == torch.float32:
@@ -192,6 +211,8 @@ def _autocast_reason(model: Any, req: BuildRequest, args: tuple[Any, ...]) -> st
     failed = _fails(_served(model, names, req.precision, False), args)
     if failed is None:
         return None
+    if not DTYPE_CLASH.search(failed):  # autocast would hide it: an op without float16 kernels, or a plain bug
+        raise BuildError(f"the model does not run with its weights in float16: {failed}", hint=NOT_HALF_HINT)
     again = _fails(_served(model, names, req.precision, False, autocast=req.device), args)
     if again is not None:
         raise BuildError(
@@ -204,13 +225,16 @@ def _autocast_reason(model: Any, req: BuildRequest, args: tuple[Any, ...]) -> st
 
 
 def _fails(served: Any, args: tuple[Any, ...]) -> str | None:
-    """The error ``served`` gives on ``args``, or None where it runs."""
+    """The error ``served`` gives on ``args``, or None where it runs. Running out of memory is no fact about the
+    model's dtypes: it propagates as it came."""
     import torch
 
     try:
         with torch.inference_mode():
             served(*args)
-    except Exception as exc:  # a dtype mismatch, or whatever this model raises: the caller says which engine
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # a dtype clash, or whatever this model raises: the caller tells them apart
         return f"{type(exc).__name__}: {first_line(exc, 300)}"
     return None
 

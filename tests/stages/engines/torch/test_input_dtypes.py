@@ -1,6 +1,7 @@
 """The torch engine's inputs of other dtypes than float32: float64 reaches the model as float64 (an FP32 engine cast
 it to float32 first), and a float16 engine runs a model that makes float32 tensors itself under ``torch.autocast``
-(its own ``.float()`` met float16 weights and the build failed)."""
+(its own ``.float()`` met float16 weights and the build failed), but only for a dtype clash; 16-bit float outputs
+come back as float32."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kiln.stages.engines.backend import BuildRequest
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
-from kiln.stages.engines.torch.build import _autocast_reason, _capture, _served
+from kiln.stages.engines.torch.build import _autocast_reason, _capture, _fails, _served
 from kiln.stages.engines.torch.config import TorchConfig
 from kiln.stages.export.torch_export import export_onnx
 
@@ -58,6 +59,51 @@ class Lerp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.lerp(x.float(), self.w, 0.5)
+
+
+class Spectrum(nn.Module):
+    """An FFT: no float16 kernel on the CPU ("Unsupported dtype Half"), no dtype clash."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.fft.rfft(x).abs())
+
+
+class Inverse(nn.Module):
+    """A matrix inverse: torch.linalg refuses float16 ("Low precision dtypes not supported")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(9, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eye = 3 * torch.eye(3, dtype=x.dtype)
+        return self.lin(torch.linalg.inv(x.view(-1, 3, 3) + eye).flatten(1))
+
+
+class Indexed(nn.Module):
+    """Reads past its input's end: an IndexError in any dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x[:, [0, 1, 7]])
+
+
+class Brain(nn.Module):
+    """Returns a bfloat16 tensor of its own beside its float32 result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), x.to(torch.bfloat16)
 
 
 def _coordinates(batch: int, seed: int = 0) -> np.ndarray:
@@ -154,6 +200,45 @@ def test_a_model_that_fails_under_autocast_too_is_a_build_error(tmp_path: Path) 
     with pytest.raises(BuildError, match=r"float16 \(.*\), nor under torch.autocast \(.*`end`") as err:
         _autocast_reason(Lerp().eval().half(), _request(tmp_path, Lerp, "fp16"), args)
     assert "weight.dtype" in (err.value.hint or "")
+
+
+@pytest.mark.parametrize(("model", "width", "error"), [(Spectrum, 8, "Half"), (Inverse, 9, "Low precision")])
+def test_a_float16_failure_without_a_dtype_clash_is_a_build_error_not_autocast(
+    tmp_path: Path, model: type, width: int, error: str
+) -> None:
+    """Under autocast the FFT and the inverse ran in float32 and the engine was built as "fp16"; now the error
+    stands, with no hint to cast."""
+    spec = TensorSpec(name="input", shape=["batch", width], dtype="float32")
+    req = BuildRequest(tmp_path, tmp_path, "cpu", "fp16", TorchConfig(), tmp_path, [spec], name="torch-cpu-fp16")
+    with pytest.raises(BuildError, match=error) as err:
+        _autocast_reason(model().eval().half(), req, (torch.randn(2, width),))
+    assert "torch.autocast" not in str(err.value) and "cast inside" not in (err.value.hint or "")
+
+
+def test_an_index_error_is_no_dtype_problem(tmp_path: Path) -> None:
+    spec = TensorSpec(name="input", shape=["batch", 3], dtype="float32")
+    req = BuildRequest(tmp_path, tmp_path, "cpu", "fp16", TorchConfig(), tmp_path, [spec], name="torch-cpu-fp16")
+    with pytest.raises(BuildError, match="IndexError") as err:
+        _autocast_reason(Indexed().eval().half(), req, (torch.randn(2, 3),))
+    assert "cast inside" not in (err.value.hint or "")
+
+
+def test_running_out_of_memory_propagates_as_it_came(tmp_path: Path) -> None:
+    def exhausted(x: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        _fails(exhausted, (torch.randn(2, 3),))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_bfloat16_outputs_come_back_as_float32(precision: str) -> None:
+    """Left bfloat16, the runner's ``.numpy()`` failed ("Got unsupported ScalarType BFloat16")."""
+    model = Brain().eval() if precision == "fp32" else Brain().eval().half()
+    with torch.inference_mode():
+        got = _served(model, ["input"], precision, False)(torch.randn(2, 3))
+    assert [g.dtype for g in got] == [torch.float32, torch.float32]
+    got[1].numpy()
 
 
 def _built(tmp_path: Path, model: type, precision: str, x: np.ndarray) -> Any:
