@@ -421,20 +421,22 @@ def slow_op_note(engine: EngineValidation, engine_dir: Path, export: Path) -> st
 
 
 def loop_note(engine_dir: Path, export: Path) -> str:
-    """:func:`_loop_note`, or '' where the graphs cannot be read for it: a note is no reason to fail validation."""
-    try:
-        return _loop_note(engine_dir, export)
-    except Exception as exc:  # noqa: BLE001 - an unreadable graph or metadata of another exporter version
-        log.debug("no Loop note for %s: %s", engine_dir.name, exc)
-        return ""
+    """:func:`_loop_note`, or '' where the graphs cannot be read for it (:func:`_note_or_none`)."""
+    return _note_or_none(_loop_note, "Loop", engine_dir, export)
 
 
 def dft_note(engine_dir: Path, export: Path) -> str:
-    """:func:`_dft_note`, or '' where the graphs cannot be read for it: a note is no reason to fail validation."""
+    """:func:`_dft_note`, or '' where the graphs cannot be read for it (:func:`_note_or_none`)."""
+    return _note_or_none(_dft_note, "DFT", engine_dir, export)
+
+
+def _note_or_none(note: Callable[[Path, Path], str], what: str, engine_dir: Path, export: Path) -> str:
+    """``note`` of the engine, or '' where its graphs cannot be read for it: a note is no reason to fail
+    validation."""
     try:
-        return _dft_note(engine_dir, export)
+        return note(engine_dir, export)
     except Exception as exc:  # noqa: BLE001 - an unreadable graph or metadata of another exporter version
-        log.debug("no DFT note for %s: %s", engine_dir.name, exc)
+        log.debug("no %s note for %s: %s", what, engine_dir.name, exc)
         return ""
 
 
