@@ -620,7 +620,7 @@ class Runner:
                     "sizes": {rel: (out / rel).stat().st_size for rel in outputs},
                     "summary": summary.model_dump(mode="json"),
                     "seconds": seconds,
-                    "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "finished": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
                     "environment": environment(*backend_libraries()),
                 },
             )

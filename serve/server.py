@@ -165,7 +165,7 @@ def changed_since_packaged(workdir: Path) -> tuple[list[str], bool]:
     them are named with False: their files changed since, not by a run (still not the package's)."""
     changed = changed_inputs(workdir, "package")
     packaged = _finished(workdir / "package")
-    # a stage of the package's own run may finish in the package's second (whole seconds): only later is a rerun
+    # a stage of the package's own run finished before it (times to the microsecond): only a later one is a rerun
     rerun = [up for up in changed if packaged is None or (ran := _finished(workdir / up)) is None or ran > packaged]
     return (rerun, True) if rerun else (changed, False)
 
