@@ -59,3 +59,19 @@ def test_the_rows_run_alone_are_bounded_and_spread_over_the_batch() -> None:
     assert probed_rows(5) == [0, 1, 2, 3, 4]
     many = probed_rows(1000)
     assert len(many) == 16 and many[0] == 0 and many[-1] == 999 and many == sorted(set(many))
+
+
+def test_a_sample_the_batch_repeats_runs_alone_once() -> None:
+    """A probe batch made by repeating few held-out rows (four samples, each four times): each sample runs alone
+    once, not once per copy."""
+    model = nn.Linear(4, 2)
+    x = torch.rand(4, 4, generator=torch.Generator().manual_seed(0)).repeat(4, 1)
+    run = _run(model, x)
+    calls: list[int] = []
+
+    def counted(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        calls.append(len(next(iter(feed.values()))))
+        return run(feed)
+
+    feed = as_feed(x, ["input"])
+    assert mixed_rows(counted, feed, run(feed)) == [] and calls == [1, 1, 1, 1]
