@@ -525,6 +525,9 @@ class EngineValidation(Part):
     precision: str
     device: str
     status: Literal["validated", "not-runnable"]
+    # a float16 torch engine whose model runs under torch.autocast (its weights float16, the ops autocast keeps in
+    # float32 so): not float16 throughout, as its report says
+    autocast: bool = False
     passed: bool | None = None
     reason: str | None = None
     max_abs_err: float | None = None  # the worst gated output's (as cosine, rel_err): what the gates judged

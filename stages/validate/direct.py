@@ -150,7 +150,12 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     # No labels: accuracy is agreement with the reference, already gated. Every output is compared.
     logits = direct_top1(list(ref), cfg.signature.logits_output)
     entry = EngineValidation(
-        name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device, status="validated"
+        name=meta.name,
+        backend=meta.backend,
+        precision=meta.precision,
+        device=meta.device,
+        status="validated",
+        autocast=bool(meta.builder_settings.get("autocast")),
     )
     axes, out_axes = graph_axes(meta.inputs), graph_axes(meta.outputs)
     _say_padding_ties(feed, ref, axes, out_axes)

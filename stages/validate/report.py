@@ -110,7 +110,7 @@ def report_section(v: ValidationResult) -> list[str]:
     for e in v.engines:
         if e.status != "validated":
             lines.append(
-                f"| {e.name} | {e.precision} | {e.device} | not run here (targets {e.device.upper()}): "
+                f"| {e.name} | {_precision(e)} | {e.device} | not run here (targets {e.device.upper()}): "
                 f"{e.reason or ''} |" + " |" * (6 + rel + len(sizes))
             )
             continue
@@ -124,7 +124,7 @@ def report_section(v: ValidationResult) -> list[str]:
         sample = worst_sample_cosine(e)
         sample_gate = g.get("min_cosine") if sample is not None else None
         lines.append(
-            f"| {e.name} | {e.precision} | {e.device} | {'yes' if e.passed else '**no**'} | "
+            f"| {e.name} | {_precision(e)} | {e.device} | {'yes' if e.passed else '**no**'} | "
             f"{_gated(fmt(e.max_abs_err, '.2e'), '≤', g.get('max_abs_err'))} | "
             + (f"{_gated(fmt(e.rel_err, '.4g'), '≤', g.get('max_rel_err'))} | " if rel else "")
             + f"{_gated(fmt(e.cosine, '.6f'), '≥', g.get('min_cosine'))} | "
@@ -249,6 +249,12 @@ def _baseline_speedup(ref: dict[str, Any], own: dict[str, Any], size: str) -> st
     if ref is own:
         return "1.00"
     return _times(ref[size].over(own[size]), ratio_interval(ref[size].rounds, own[size].rounds))
+
+
+def _precision(e: EngineValidation) -> str:
+    """The engine's precision as its row names it: a float16 model run under torch.autocast is said so, since the
+    ops autocast keeps in float32 (softmax, norms, reductions) run so."""
+    return f"{e.precision} (autocast)" if e.autocast else e.precision
 
 
 def _p50(latency: dict[str, Any], size: str) -> str:

@@ -161,7 +161,12 @@ def check_engine(engine_dir: Path, ref: Reference, cfg: ValidateConfig, ctx: Sta
     :func:`finish_engine`."""
     meta = read_metadata(engine_dir)
     entry = EngineValidation(
-        name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device, status="not-runnable"
+        name=meta.name,
+        backend=meta.backend,
+        precision=meta.precision,
+        device=meta.device,
+        status="not-runnable",
+        autocast=bool(meta.builder_settings.get("autocast")),
     )
     ok, why = runnable(meta)
     if not ok:

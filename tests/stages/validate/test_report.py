@@ -357,3 +357,19 @@ def test_an_embedding_output_is_said_to_be_compared_as_features_for_one_reason()
     line = next(x for x in report_section(v) if x.startswith("Compared outputs"))
     assert "'embedding' is named as features (an embedding), held to cosine" in line, line
     assert "DETR" not in line and "taken as class logits by default" not in line
+
+
+def test_a_torch_engine_run_under_autocast_says_so_beside_its_precision() -> None:
+    """Under torch.autocast the ops it keeps in float32 run so: the row does not call the engine float16 alone."""
+    engines = [
+        EngineValidation(name=n, backend="torch", precision="fp16", device="cpu", status="validated", autocast=a)
+        for n, a in (("plain", False), ("mixed", True))
+    ]
+    for e in engines:
+        e.latency_ms = {"4": Percentiles(p50=0.2, p90=0.2, p99=0.2)}
+    v = ValidationResult(
+        passed=True, baseline=Baseline(accuracy=None, samples=8, latency_ms={}), engines=engines, failures=[]
+    )
+    header, _, *rows = _table(report_section(v))
+    precision = {r[0]: dict(zip(header, r))["precision"] for r in rows}
+    assert precision["plain"] == "fp16" and precision["mixed"] == "fp16 (autocast)", precision

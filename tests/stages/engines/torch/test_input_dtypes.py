@@ -5,6 +5,7 @@ come back as float32."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from kiln.stages.engines.stage import build_engine
 from kiln.stages.engines.torch.build import _autocast_reason, _capture, _fails, _served
 from kiln.stages.engines.torch.config import TorchConfig
 from kiln.stages.export.torch_export import export_onnx
+from tests.pipeline.test_faults import invoke
 
 EARTH = 6.371e6  # metres: float32 keeps 0.5 m steps here, float64 far below a millimetre
 
@@ -284,6 +286,11 @@ def test_a_cpu_fp16_engine_of_a_uint8_image_model_builds_under_autocast(tmp_path
             x = _image(batch, seed=batch)
             got = torch.from_numpy(runner.infer({"input": x})["logits"])
             assert got.dtype == torch.float32 and _cosine(got, _eager(model, x)[0]) > 0.9999
+    np.savez(tmp_path / "x.npz", input=_image(4, seed=9))
+    out = invoke("validate", tmp_path / "e", "--reference", tmp_path / "m.onnx", "--inputs", tmp_path / "x.npz")
+    assert out.exit_code == 0, out.output
+    checked = json.JSONDecoder().raw_decode(out.output[out.output.index("{\n") :])[0]
+    assert checked["precision"] == "fp16" and checked["autocast"] is True  # not float16 throughout: said so
 
 
 @pytest.mark.gpu
