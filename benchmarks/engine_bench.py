@@ -716,9 +716,10 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
 
 
 def _pct(r: dict[str, Any]) -> str:
+    """The share of the measured peak; past 100 % the peak was measured low, and no share of it is a fact."""
     if r.get("pct_of_peak") is None:
         return "-"
-    return f"{r['pct_of_peak']:.1f} % ({r['peak_kind']})"
+    return f"{'> 100' if r['pct_of_peak'] > 100 else format(r['pct_of_peak'], '.1f')} % ({r['peak_kind']})"
 
 
 def profile_table(results: list[dict[str, Any]]) -> list[str]:

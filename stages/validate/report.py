@@ -666,6 +666,11 @@ def at_least(row: dict[str, Any]) -> str:
     return "≥ " if row.get("flops_lower_bound") else ""
 
 
+def _share_of_peak(row: dict[str, Any]) -> str:
+    """An engine's share of the measured peak; "> 100" where it outran the peak, which was measured low."""
+    return "> 100" if row.get("above_measured_peak") else fmt(row["pct_of_measured_peak"], ".1f")
+
+
 def _roofline(v: ValidationResult) -> list[str]:
     """Achieved TFLOP/s per engine and batch beside the device's measured GEMM peak (and the datasheet's)."""
     rows = [e for e in v.engines if e.roofline]
@@ -674,6 +679,7 @@ def _roofline(v: ValidationResult) -> list[str]:
     peaks = "; ".join(
         f"{dev}: {p['device']}, measured "
         + ", ".join(f"{k} {x:g}" for k, x in p.get("measured", {}).items())
+        + (" (while other work ran: a floor of its peak, measured again next run)" if p.get("busy") else "")
         + (
             " (datasheet " + ", ".join(f"{k} {x:g}" for k, x in p["datasheet"].items()) + ")"
             if p.get("datasheet")
@@ -697,6 +703,6 @@ def _roofline(v: ValidationResult) -> list[str]:
             out.append(
                 f"| {e.name} | {share} | {at_least(r)}{(e.flops_per_sample or 0) / 1e9:.3g} | {bs} | "
                 f"{at_least(r)}{r['tflops']:.3g} | "
-                f"{fmt(r['pct_of_measured_peak'], '.1f')} ({r['peak']}) | {fmt(r['pct_of_datasheet'], '.1f')} |"
+                f"{_share_of_peak(r)} ({r['peak']}) | {fmt(r['pct_of_datasheet'], '.1f')} |"
             )
     return out
