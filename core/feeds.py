@@ -7,8 +7,11 @@ taken (a last partial batch is dropped, with a warning), and :func:`in_batches` 
 
 from __future__ import annotations
 
+import itertools
+import json
+import keyword
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +31,7 @@ def read_feed(
     caller feeds a graph that fixes its batch axis (:func:`fixed_batch`) one batch at a time, so any whole number
     of its batches is taken (:func:`whole_batches`); otherwise rows past that batch are refused."""
     names = [s.name for s in specs]
-    hint = f"give an .npz with one array per input: np.savez(path, {', '.join(f'{n}=...' for n in names)})"
+    hint = f"give an .npz with one array per input: {_savez_call(names)}"
     if not path.is_file():
         raise InputFileError(f"inputs file not found: {path}", hint=hint)
     try:
@@ -48,6 +51,14 @@ def read_feed(
         feed = whole_batches(feed, specs, str(path), taker)
     check_feed(feed, specs, str(path), taker, batched, npz=True)
     return feed
+
+
+def _savez_call(names: list[str]) -> str:
+    """``np.savez(path, ...)`` naming each input, as Python that parses: keywords (``ids=...``) where every name is
+    one, else a dict unpacked (``**{"serving_default_input_1:0": ...}``), as tf2onnx's names are no identifiers."""
+    if all(n.isidentifier() and not keyword.iskeyword(n) and n != "file" for n in names):
+        return f"np.savez(path, {', '.join(f'{n}=...' for n in names)})"
+    return f"np.savez(path, **{{{', '.join(f'{json.dumps(n)}: ...' for n in names)}}})"
 
 
 def check_feed(
@@ -118,9 +129,9 @@ def _check_array(
     spec: TensorSpec, array: np.ndarray, source: str, taker: str, batched: bool = False, npz: bool = False
 ) -> None:
     want = [d if isinstance(d, int) and d >= 1 else None for d in spec.shape]
-    if batched and want and want[0] is not None and array.ndim and len(array) and len(array) % want[0] == 0:
+    if batched and want and want[0] and array.ndim == len(want) and len(array) and len(array) % want[0] == 0:
         want[0] = None  # whole batches of the fixed size, fed one at a time
-    shape_ok = array.ndim == len(want) and all(w is None or w == d for w, d in zip(want, array.shape))
+    shape_ok = _fits(array.shape, want)
     if array.dtype == np.dtype(spec.dtype) and _only_the_fixed_batch_differs(want, array.shape):
         raise InputFileError(
             f"input '{spec.name}' in {source} has {array.shape[0]} rows; {taker} fixes its batch axis at {want[0]} "
@@ -134,7 +145,7 @@ def _check_array(
         cast = _cast_fix(array, np.dtype(spec.dtype), npz) if array.dtype != np.dtype(spec.dtype) else ""
         raise InputFileError(
             f"input '{spec.name}' in {source} is {array.dtype}{list(array.shape)}; {taker} takes {spec.dtype}[{dims}]",
-            hint=f"give it as {spec.dtype}[{dims}]" + (cast if shape_ok else ""),
+            hint=f"give it as {spec.dtype}[{dims}]" + (cast if shape_ok else _shape_fix(array.shape, want, taker, npz)),
         )
     if array.ndim and len(array) == 0:
         raise InputFileError(f"input '{spec.name}' in {source} has no rows", hint="give at least one sample")
@@ -143,6 +154,51 @@ def _check_array(
         raise InputFileError(
             f"input '{spec.name}' in {source} holds {bad}", hint="clean or drop those samples before handing them over"
         )
+
+
+# the layouts a permutation of an image's axes turns one into the other: (the array's, the input's)
+_LAYOUTS = {
+    (0, 2, 3, 1): ("NCHW", "NHWC"),
+    (0, 3, 1, 2): ("NHWC", "NCHW"),
+    (0, 2, 3, 4, 1): ("NCDHW", "NDHWC"),
+    (0, 4, 1, 2, 3): ("NDHWC", "NCDHW"),
+}
+
+
+def _shape_fix(shape: tuple[int, ...], want: list[int | None], taker: str, npz: bool) -> str:
+    """How an array of ``shape`` becomes one of ``want`` (None: any size) where only its axes' order or its batch
+    axis differs, as the tail of a fix: `` (one sample without its batch axis: x[None])``, `` (it looks like NCHW,
+    and the model takes NHWC: x.transpose(0, 2, 3, 1))``; empty where the sizes themselves differ. ``npz``:
+    numpy's arrays; else torch's ``permute`` is written beside numpy's ``transpose``."""
+    x = "x"
+    if len(shape) == len(want) - 1 and want[0] in (None, 1):
+        x, shape = "x[None]", (1, *shape)
+        if _fits(shape, want):
+            return " (one sample without its batch axis: x[None])"
+    order = _permutation(shape, want)
+    if order is None:
+        return ""
+    axes = ", ".join(map(str, order))
+    torch = "" if npz else f"; a torch tensor: {x}.permute({axes})"
+    given, taken = _LAYOUTS.get(order, (None, None))
+    said = f"it looks like {given}, and {taker} takes {taken}" if given else "its axes are in another order"
+    return f" ({said}: {x}.transpose({axes}){torch})"
+
+
+def _permutation(shape: tuple[int, ...], want: Sequence[int | None]) -> tuple[int, ...] | None:
+    """The first order of ``shape``'s axes (the batch axis kept first where it can be) that gives sizes ``want``
+    takes; None where no order does, or ``shape`` has too many axes to try them all."""
+    if len(shape) != len(want) or len(shape) > 6:
+        return None
+    for order in itertools.permutations(range(len(shape))):
+        if _fits(tuple(shape[i] for i in order), want):
+            return order
+    return None
+
+
+def _fits(shape: tuple[int, ...], want: Sequence[int | None]) -> bool:
+    """Whether ``shape`` has the sizes ``want`` fixes (None: any)."""
+    return len(shape) == len(want) and all(w is None or w == d for w, d in zip(want, shape))
 
 
 def _cast_fix(array: np.ndarray, dtype: np.dtype, npz: bool) -> str:

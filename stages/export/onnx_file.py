@@ -66,7 +66,8 @@ def take_onnx(src: Path, path: Path) -> ExportSummary:
 def free_checked(proto: onnx.ModelProto, src: Path, batch: int, example: str) -> onnx.ModelProto:
     """``proto`` with a symbolic batch axis (:func:`kiln.core.onnx_io.free_batch`), checked: two random batches of
     ``batch`` rows run through the file as it is, and as one batch through the freed graph, must give the same rows.
-    Where they do not (a Reshape to a fixed ``[1, -1]``), a ModelError says to export it with a dynamic batch."""
+    Where they do not (a Reshape to a fixed ``[1, -1]``), a ModelError says to export it with a dynamic batch, the
+    way of the exporter that wrote it (:func:`_dynamic_batch_hint`)."""
     inputs, _ = io_specs(proto)
     original = ort_session(src)
     parts = [
@@ -75,10 +76,7 @@ def free_checked(proto: onnx.ModelProto, src: Path, batch: int, example: str) ->
     ]
     want = [ort_run(original, part) for part in parts]
     freed = free_batch(proto, batch)
-    hint = (
-        "export it again with a dynamic batch axis (torch.onnx.export(..., dynamic_axes={'<input>': {0: 'batch'}})), "
-        "or let Kiln export it from PyTorch (model.name)"
-    )
+    hint = _dynamic_batch_hint(proto.producer_name)
     try:
         got = ort_run(ort_session(freed), {k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
     except Exception as exc:  # ONNX Runtime's own error: a node that takes the fixed size only
@@ -103,6 +101,28 @@ def free_checked(proto: onnx.ModelProto, src: Path, batch: int, example: str) ->
         2 * batch,
     )
     return freed
+
+
+# how each exporter, by the producer_name it writes into the file, makes the batch axis dynamic
+_KERAS_WAY = "a None batch dimension in the Keras Input or the input_signature, tf.TensorSpec((None, ...))"
+_DYNAMIC_BATCH = {
+    "pytorch": "(torch.onnx.export(..., dynamic_axes={'<input>': {0: 'batch'}})), or let Kiln export it from PyTorch "
+    "(model.name)",
+    "tf2onnx": f"(tf2onnx: {_KERAS_WAY})",
+    "keras2onnx": f"(keras2onnx: {_KERAS_WAY})",
+    "skl2onnx": "(skl2onnx: initial_types=[('<input>', FloatTensorType([None, ...]))])",
+}
+
+
+def _dynamic_batch_hint(producer: str) -> str:
+    """The fix for a file whose graph holds its fixed batch: export it again with a dynamic batch axis, the way of
+    the exporter that wrote it (``producer``, the file's producer_name) where it is one Kiln knows (Kiln's own
+    export takes PyTorch models alone), or take the file as it is with the direct commands, which feed a fixed
+    batch one batch at a time."""
+    producer = producer.strip()
+    way = _DYNAMIC_BATCH.get(producer.lower()) or (f"from {producer}" if producer else "")
+    again = " ".join(filter(None, ["export it again with a dynamic batch axis", way]))
+    return f"{again}; kiln precision FILE, kiln build FILE and kiln validate ENGINE take the file as it is"
 
 
 def refuse_other_output_names(model: nn.Module, x: Inputs, outputs: list[str], shown: str, name: str) -> None:
