@@ -621,9 +621,13 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
         _print_unvalidated(v.engines)
     precision = report.get("stages", {}).get("precision", {}).get("summary", {})
     for name, why in precision.get("failed", {}).items():
-        console.print(
-            f"[bold red]precision variant {escape(name)} failed[/], the others were built: {escape(why)}",
+        # a variant its gates or its share of low-precision compute left unmade is an outcome, not a failure
+        said = (
+            "[yellow]precision variant {} not made[/]"
+            if why.startswith(f"{name} not made")
+            else "[bold red]precision variant {} failed[/]"
         )
+        console.print(f"{said.format(escape(name))}, the others were built: {escape(why)}")
     # sentences wrap between words at the console's width (80 columns in a pipe or a log); a path stays one line
     results.print(f"result: {escape(result_line(report))}", highlight=False)
     results.print(f"report: {workdir / 'report.md'}", highlight=False, soft_wrap=True)

@@ -42,7 +42,9 @@ def torch_model_named(model: ModelConfig) -> bool:
 
 
 def on_random_inputs(model: ModelConfig, data: DataConfig) -> bool:
-    """Whether the run's data are random inputs: a run from ``model.onnx`` with no data and no PyTorch model."""
+    """Whether the run's data are random inputs: a run from ``model.onnx`` with no data and no PyTorch model. Its
+    held-out data (validation's, and the precision stage's check) are then random; its calibration is too unless
+    ``calibration.reader`` is set."""
     return bool(model.onnx) and not data.name and not torch_model_named(model)
 
 
@@ -196,10 +198,13 @@ def random_splits(path: Path, signature: Signature, seed: int, rows: int = 64) -
 
 @functools.cache
 def _say_random(path: str) -> None:
-    """The warning that a run from ``path`` uses random inputs: once a process, not once per stage that asks."""
+    """The warning that a run from ``path`` uses random inputs: once a process, not once per stage that asks. The
+    dataset is loaded without the calibration settings, so it says what holds either way: validation is on random
+    inputs, and calibration only where no ``calibration.reader`` gives real batches."""
     log.warning(
-        "model.onnx with no data.name: calibrating and validating on RANDOM inputs; INT8 ranges and "
-        "accuracy figures do not reflect real data (give data.name for real ones)"
+        "model.onnx with no data.name: validating on RANDOM inputs, and calibrating on them unless calibration.reader "
+        "is set; accuracy figures (and INT8 ranges calibrated on them) do not reflect real data (give data.name for "
+        "real ones)"
     )
 
 

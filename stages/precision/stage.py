@@ -99,7 +99,18 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
         check = held_out_check(ctx, data, src, inputs) if set(converted) - {"fp32"} else None
         off = f"give data.name, a data function of real inputs: {RANDOM_OFF}; or drop it from precision.variants"
         variants, errors = build_variants(
-            src, ctx.out, converted, cfg, ccfg, check, ctx.progress, ctx.log, sizes, wanted, off if random else None
+            src,
+            ctx.out,
+            converted,
+            cfg,
+            ccfg,
+            check,
+            ctx.progress,
+            ctx.log,
+            sizes,
+            wanted,
+            off if random else None,
+            required=cfg.required,
         )
         failed = {p: e.message for p, e in errors.items()}
         x_val = check.samples if check is not None else {}
@@ -163,14 +174,18 @@ def build_variants(
     sizes: dict[str, list[int]] | None = None,
     asked: Collection[str] | None = None,
     off_hint: str | None = None,
+    required: Collection[str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, KilnError]]:
     """Each wanted variant into ``root/<precision>/model.onnx`` (FP32: ``src.path``, already there), judged by
     ``x_val`` (validation's check, or samples to check on); a variant that fails, that no fallback round got
     through the gates, or that is too little in its precision at the largest ``sizes`` of its dynamic axes (where
     the build audits its engines) is listed with why (variant -> message) and the others go on. A failure is
     logged when it happens only while another variant of ``asked`` (those the user asked for; None: ``wanted``)
-    goes on: else the error the caller ends with is the one line that says it. ``off_hint``: the fix for a variant
-    no round passed while ``cfg.fallback`` is off (random inputs switch it off: real data is the fix there)."""
+    goes on: else the error the caller ends with is the one line that says it. It is logged as a warning where the
+    variant is not made for its gates (:class:`NotMade`), as an error where its build failed (:func:`_log_dropped`).
+    ``off_hint``: the fix for a variant no round passed while ``cfg.fallback`` is off (random inputs switch it off:
+    real data is the fix there). ``required``: a run's precision.required, said beside a variant not made (None:
+    outside a run, where the command's own error names it)."""
     if {"int8", "fp8"} & set(wanted):  # the Q/DQ variants keep what calibration.exclude_* name in float
         check_exclusions(src.model, ccfg)
     largest = {k: max(v) for k, v in (sizes or {}).items() if v}
@@ -197,16 +212,38 @@ def build_variants(
                     mark_too_little(precision, variants[precision], root, largest, quantizable_op_types(ccfg))
                 if unmade:
                     del variants[precision]
-                    raise ModelError(unmade, hint=f"{shapes}; else {hint}" if shapes else hint)
+                    raise NotMade(unmade, hint=f"{shapes}; else {hint}" if shapes else hint)
             except KilnError as exc:  # one variant's failure must not take the others with it
                 failed[precision] = outside(root, exc)
                 if any(p != precision and p not in failed for p in (wanted if asked is None else asked)):
-                    log.error("precision variant %s failed, the others go on: %s", precision, exc.message)
+                    _log_dropped(log, precision, exc, required)
                 shutil.rmtree(root / precision, ignore_errors=True)
             else:
                 _log_variant(log, precision, variants[precision])
             bar.advance(1, note=precision)
     return variants, failed
+
+
+class NotMade(ModelError):
+    """A variant that no fallback round got through the gates its engines face: an outcome of its check, not a
+    failure of its build, so beside variants that go on it is a warning (a run passes without it unless
+    precision.required names it)."""
+
+
+def _log_dropped(log: logging.Logger, precision: str, exc: KilnError, required: Collection[str] | None) -> None:
+    """A variant dropped while others go on, said when it happens: one not made for its gates as a warning, with
+    what a run's ``required`` (precision.required; None: not a run) makes of it; an error of its build as an
+    error."""
+    if not isinstance(exc, NotMade):
+        log.error("precision variant %s failed, the others go on: %s", precision, exc.message)
+        return
+    if required is None:
+        then = ""
+    elif precision in required:
+        then = f", but precision.required lists {precision}: the run fails at validation without it"
+    else:
+        then = f", and so does the run (precision.required: [{precision}] would make it fail the run)"
+    log.warning("%s; the other variants go on%s", exc.message, then)
 
 
 def outside(root: Path, exc: KilnError) -> KilnError:
@@ -245,19 +282,23 @@ FALLBACK_OFF_HINT = (
 RANDOM_OFF = "on random inputs the accuracy-driven fallback, which keeps in float the nodes that miss the gates, is off"
 
 
+FAILED_GATES = "failed its gates"  # a graph of a variant that is made, kept for inspection (not "not made")
+
+
 def not_made(precision: str, entry: dict[str, Any]) -> str | None:
     """Why a variant is not made: no fallback round of its graph passed the gates its engines will face (an INT8
     variant whose ONNX Runtime CPU graph passed is made for ONNX Runtime CPU alone, the reverse keeps the Q/DQ graph
-    for every backend). None: made."""
+    for every backend). None: made. The graph of such a made variant that failed its gates stays in its folder for
+    inspection, said so (:data:`FAILED_GATES`), not as a graph that was not made."""
     own, cpu = entry.get("fallback"), (entry.get("ort_cpu") or {}).get("fallback")
     if own is None:  # FP32: nothing to pass
         return None
     if cpu is not None and own["passed"] != cpu["passed"]:
         if own["passed"]:  # the ORT CPU graph missed: ORT CPU engines run the Q/DQ graph, which passed
-            entry["ort_cpu_unmade"] = _why(precision + " (onnxruntime-cpu graph)", cpu)
+            entry["ort_cpu_unmade"] = _why(precision + " (onnxruntime-cpu graph)", cpu, FAILED_GATES)
             entry.pop("backend_paths", None)
         else:
-            entry["unmade"] = _why(precision + " (Q/DQ graph)", own)
+            entry["unmade"] = _why(precision + " (Q/DQ graph)", own, FAILED_GATES)
         return None
     return None if own["passed"] else _why(precision, own)
 
@@ -353,14 +394,14 @@ DYNAMIC_HINT = (
 )
 
 
-def _why(label: str, fallback: dict[str, Any]) -> str:
-    """The fallback's failure in a line: the gates missed, the nodes tried, and why the search stopped early where it
-    did (rounds that kept more nodes in float without a measured gain)."""
+def _why(label: str, fallback: dict[str, Any], outcome: str = "not made") -> str:
+    """The fallback's failure in a line: ``label`` and its ``outcome``, the gates missed, the nodes tried, and why
+    the search stopped early where it did (rounds that kept more nodes in float without a measured gain)."""
     tried = fallback.get("tried") or []
     nodes = f"tried keeping {len(tried)} nodes in float ({', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"
     stopped = [r["stopped"] for r in fallback.get("rounds") or [] if r.get("stopped")]
     return (
-        f"{label} not made: no fallback round passed the gates its engines face "
+        f"{label} {outcome}: no fallback round passed the gates its engines face "
         f"({'; '.join(fallback.get('failures') or ['?'])}); {nodes if tried else 'no node was tried in float'}"
         + "".join(f"; {s}" for s in stopped)
     )
@@ -530,9 +571,15 @@ def _log_variant(log: logging.Logger, precision: str, entry: dict[str, Any]) -> 
             fmt(vs["cosine"], ".6f"),
             len(entry["kept_fp32"]),
         )
-    for why in (entry.get("unmade"), entry.get("ort_cpu_unmade")):
-        if why:
-            log.warning("%s", why)
+    if entry.get("unmade"):  # the graph at "path" stays in its folder, where kiln build refuses it
+        log.warning(
+            "%s; its graph is kept for inspection as %s beside variants.json, which lists it unmade: no engine is "
+            "built from it",
+            entry["unmade"],
+            entry["path"],
+        )
+    if entry.get("ort_cpu_unmade"):
+        log.warning("%s; ONNX Runtime CPU engines load the Q/DQ graph instead", entry["ort_cpu_unmade"])
 
 
 def variant_record(entry: dict[str, Any]) -> PrecisionVariant:

@@ -123,6 +123,29 @@ def test_the_result_line_wraps_between_words_within_80_columns(monkeypatch) -> N
     assert all(any(name in line for line in lines) for name in names)  # no name cut in two
 
 
+def test_a_variant_its_gates_left_unmade_is_not_called_failed(monkeypatch) -> None:
+    """A variant no fallback round got through its gates is an outcome of its check: "not made", not "failed" (the
+    word for a variant whose build raised)."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    import kiln.cli
+    import kiln.pipeline.report
+
+    out = io.StringIO()
+    monkeypatch.setattr(kiln.pipeline.report, "result_line", lambda report: "PASSED")
+    monkeypatch.setattr(kiln.cli, "console", Console(file=out, width=200))
+    monkeypatch.setattr(kiln.cli, "results", Console(file=io.StringIO(), width=200))
+    failed = {"int8": "int8 not made: no fallback round passed the gates", "fp16": "fp16 conversion raised"}
+    report = {"stages": {"precision": {"summary": {"failed": failed}}}}
+    kiln.cli._print_summary(SimpleNamespace(records=[]), report, Path("wd"))
+    said = out.getvalue()
+    assert "precision variant int8 not made, the others were built: int8 not made" in said, said
+    assert "precision variant fp16 failed, the others were built" in said, said
+
+
 def test_gate_failure_exit_code(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
     cfg = str(write_yaml(tiny_config_dict(**{"validate.gates.max_latency_p50_ms": 1e-9})))
     result = cli.invoke(main, ["run", cfg, "-w", str(tmp_path / "wd"), "--quiet"])

@@ -23,10 +23,12 @@ def test_a_variant_failing_on_random_inputs_is_fixed_by_real_data(tmp_path: Path
 
 
 def test_a_failure_beside_a_variant_that_goes_on_is_logged_when_it_happens(tmp_path: Path) -> None:
+    """Not made for its gates, beside FP16: a warning when it happens (the command's error then names it)."""
     model = token_graph(tmp_path / "m.onnx", offset=10.0)
     result = invoke("precision", model, "-o", tmp_path / "v", "--variants", "fp16,int8", "--set", SHAPES)
     assert result.exit_code == 2, result.output
-    assert f"precision variant int8 failed, {ALONE}" in result.output
+    said = next(line for line in result.output.splitlines() if "the other variants go on" in line)
+    assert said.startswith("WARNING int8 not made: no fallback round passed the gates"), said
     assert (tmp_path / "v" / "fp16" / "model.onnx").is_file()
 
 
