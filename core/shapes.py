@@ -66,7 +66,7 @@ def axis_sizes(feeds: list[Feed], axes: Axes, configured: Mapping[str, list[int]
     if unknown:
         raise ConfigError(
             f"signature.shapes names axes {unknown}; signature.dynamic_axes declares {names or 'none'}",
-            hint="key signature.shapes by the axis names of signature.dynamic_axes, e.g. {seq: [8, 32]}",
+            hint=_undeclared_hint(unknown, names),
         )
     sizes: dict[str, list[int]] = {}
     for name in names:
@@ -78,6 +78,18 @@ def axis_sizes(feeds: list[Feed], axes: Axes, configured: Mapping[str, list[int]
         }
         sizes[name] = two_sizes(min(seen), max(seen))
     return sizes
+
+
+def _undeclared_hint(unknown: list[str], names: list[str]) -> str:
+    """The fix where signature.shapes names axes ``unknown`` that signature.dynamic_axes does not declare (``names``:
+    those it does): keyed by a declared name, as in the example; where it declares none, the axis declared there
+    (the graph is then exported with it dynamic) or the sizes left out."""
+    if names:
+        return f"key signature.shapes by the axis names of signature.dynamic_axes, e.g. {{{names[0]}: [8, 32]}}"
+    return (
+        f"declare {', '.join(unknown)} in signature.dynamic_axes, by input and axis (e.g. {{input_ids: {{1: "
+        f"{unknown[0]}}}}}), and export again; or leave signature.shapes out"
+    )
 
 
 def two_sizes(lo: int, hi: int) -> list[int]:

@@ -23,7 +23,7 @@ from kiln.core.outputs import named_outputs
 from kiln.core.shapes import Axes, resize
 from kiln.core.text import short_reason
 from kiln.stages.export.pinned_sizes import BATCH_FIXED_HINT, FIXED_SIZE_HINT, batch_pinned_at
-from kiln.stages.export.torch_export import error_reason
+from kiln.stages.export.torch_export import error_reason, fallback_failed
 
 # Rows the export's parity check runs: it compares the same arithmetic in two runtimes, which a few rows show as
 # well as many; accuracy over the data is validation's job.
@@ -197,7 +197,14 @@ def _refuse_non_finite(name: str, ref: np.ndarray, got: np.ndarray, at: str = ""
 
 
 def batch_parity(
-    model: nn.Module, path: Path, example: Inputs, x: Inputs, atol: float, session: Any = None, rtol: float = 0.0
+    model: nn.Module,
+    path: Path,
+    example: Inputs,
+    x: Inputs,
+    atol: float,
+    session: Any = None,
+    rtol: float = 0.0,
+    refused: str = "",
 ) -> dict[str, Any]:
     """:func:`parity` on ``x``, whose batch differs from ``example``'s, the rows the graph was traced with (the first
     rows of ``x``). A graph that fails at ``x`` (ONNX Runtime refuses it, an output of another shape, or an error
@@ -205,7 +212,9 @@ def batch_parity(
     within ``x`` than alone) but computes ``example`` within it holds the traced batch (Swin's
     ``B = int(windows.shape[0] / n)``): a ModelError says so, and where, instead of an ONNX Runtime traceback or
     advice to raise the tolerance. Otherwise the check at ``x``, held to the tolerance by the caller; the traced
-    batch runs only when ``x`` fails, so a good graph costs one run."""
+    batch runs only when ``x`` fails, so a good graph costs one run. A graph ONNX Runtime cannot run at the traced
+    batch either is said so; where it is the TorchScript exporter's (``refused``: why the dynamo exporter failed),
+    with that reason and its fix (:func:`fallback_failed`)."""
     at = f"batch {rows(x)}"
     try:
         ref = torch_outputs(model, x)
@@ -217,7 +226,7 @@ def batch_parity(
     check, why = _parity_or_why(model, path, x, session, ref)
     if check is not None and (parity_passes(check, atol, rtol) or rows(x) == rows(example)):
         return check
-    traced, _ = _parity_or_why(model, path, example, session) if rows(x) != rows(example) else (None, "")
+    traced, traced_why = _parity_or_why(model, path, example, session) if rows(x) != rows(example) else (None, why)
     # over the tolerance at x only: the batch's doing if the graph gives the traced rows other values within x than
     # alone (a graph that is merely inexact, worst on rows past the traced ones, gives them the same values)
     moved = check is None or not within_parity(_rows_move(path, session, example, x), check["scale"], atol, rtol)
@@ -229,12 +238,31 @@ def batch_parity(
             f"tensor's shape (e.g. int(x.shape[0] / n)){' in ' + line if line else ''}",
             hint=f"compute {'the size in ' + line if line else 'sizes from the batch'} {BATCH_FIXED_HINT}",
         )
-    if check is None:  # not the batch's doing: the traced batch fails too
+    if check is None:  # not the batch's doing: the traced batch fails too, or runs off the tolerance
+        failure = (
+            f"ONNX Runtime cannot run the exported graph, not even at batch {rows(example)}, the batch it was traced "
+            f"at: {traced_why}"
+            if traced is None
+            else f"ONNX Runtime cannot run the exported graph at {at}: {why}"
+        )
+        if refused:
+            raise fallback_failed(failure, refused)
         raise ModelError(
-            f"ONNX Runtime cannot run the exported graph at {at}: {why}",
-            hint="the model may use an op ONNX Runtime runs differently from PyTorch; see the message above",
+            failure, hint="the model may use an op ONNX Runtime runs differently from PyTorch; see the message above"
         )
     return check
+
+
+def exported_session(path: Path, refused: str = "") -> Any:
+    """An ONNX Runtime session on the exported graph at ``path``; where ONNX Runtime cannot load it and it is the
+    TorchScript exporter's (``refused``: why the dynamo exporter failed), the error says that and its fix
+    (:func:`fallback_failed`) rather than only suggesting another opset."""
+    try:
+        return ort_session(path)
+    except ModelError as exc:
+        if not refused:
+            raise
+        raise fallback_failed(exc.message, refused) from None
 
 
 def _rows_move(path: Path, session: Any, example: Inputs, x: Inputs) -> dict[str, float]:

@@ -15,7 +15,7 @@ from typing import Any
 from kiln.core.artifacts import ensure_writable
 from kiln.core.data import feed_for_graph, fixed_columns, integer_ranges, rows, take
 from kiln.core.errors import ConfigError, KilnError
-from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, ort_session, refuse_random_graph
+from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, refuse_random_graph
 from kiln.core.shapes import graph_axes
 from kiln.core.stage import StageContext
 from kiln.models.determinism import refuse_random
@@ -35,7 +35,7 @@ from kiln.stages.export.model_checks import refuse_nothing_finite, warn_wide_inp
 from kiln.stages.export.onnx_file import refuse_other_output_names, refuse_outside_index, take_onnx
 from kiln.stages.export.other_axes import tie_other_axes
 from kiln.stages.export.output_axes import name_output_axes
-from kiln.stages.export.parity import PARITY_ROWS, batch_parity, parity, require_parity
+from kiln.stages.export.parity import PARITY_ROWS, batch_parity, exported_session, require_parity
 from kiln.stages.export.size_steps import GraphAt, record_graph_steps, size_steps, steps_over
 from kiln.stages.export.sizes import check_sizes_of, check_validated_sizes, checked_spans, export_at_sizes
 from kiln.stages.export.torch_export import export_with_fallback, input_axes
@@ -98,8 +98,8 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     warn_wide_inputs(model, example)
     proto, dynamo = export_at_sizes(model, example, path, cfg.opset, data, axes, ctx.config.signature.shapes)
     refuse_random_graph(proto, f"the exported graph {path.name}")  # draws too small for refuse_random to see
-    session = ort_session(path)  # for the parity check and the output-axis probe
-    check = batch_parity(model, path, example, x, cfg.parity_atol, session, cfg.parity_rtol)
+    session = exported_session(path, dynamo)  # for the parity check and the output-axis probe
+    check = batch_parity(model, path, example, x, cfg.parity_atol, session, cfg.parity_rtol, dynamo)
     require_parity(check, cfg.parity_atol, cfg.parity_rtol, f"{path.name}, on the data's first {check['samples']} rows")
     log.info(
         "exported %d nodes, opset %d, parity max abs err %.2e",
@@ -177,11 +177,11 @@ def export_direct(
     )
     refuse_random_graph(proto, f"the exported graph {output.name}")  # draws too small for refuse_random to see
     atol, rtol = cfg.export.parity_atol, cfg.export.parity_rtol
-    session = ort_session(output)
-    if cfg.export.dynamic_batch:  # at another batch too: a graph that holds the traced one gets those rows right
-        check = batch_parity(model, output, example, x, atol, session, rtol)
-    else:
-        check = parity(model, output, example, session)
+    session = exported_session(output, dynamo)
+    # at another batch too: a graph that holds the traced one gets those rows right; a fixed batch at its own only
+    check = batch_parity(
+        model, output, example, x if cfg.export.dynamic_batch else example, atol, session, rtol, dynamo
+    )
     random = (
         "random inputs can be far from what the model meets (masks, ids): give the config's data instead of "
         "--input-shape; "

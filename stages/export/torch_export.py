@@ -10,8 +10,8 @@ import logging
 import re
 import traceback
 import warnings
-from collections.abc import Mapping
-from contextlib import nullcontext
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from kiln.core.text import first_line, root_cause
 from kiln.core.user_errors import is_user_file, user_frame, where
 from kiln.stages.export.graph_inputs import refuse_label_outputs, warn_unused_inputs
 from kiln.stages.export.pinned_sizes import BRANCH_FIX, FIXED_SIZE_HINT, pinned_at, size_branch
-from kiln.stages.export.quiet import quiet_torch
+from kiln.stages.export.quiet import SHAPES_LOG, quiet_torch
 from kiln.stages.export.torch_dims import restore_axis_names, torch_dims
 
 log = logging.getLogger("kiln.export")
@@ -80,8 +80,9 @@ def export_with_fallback(
     validation = ""  # where torch.distributions' argument validation made the dynamo exporter fail
     refused = ""  # why the dynamo exporter failed, where the TorchScript one then exported the graph
     for dynamo in (True, False) if opset >= 18 else (False,):
+        pinned: list[str] = []  # where torch.export fixed a size to the example's
         try:
-            fixed = _export(
+            placed = _export(
                 FlatModel(model, example),
                 tuple(tensors(example)),
                 ins,
@@ -91,6 +92,7 @@ def export_with_fallback(
                 {p: axes[n] for p, n in zip(ins, names)},
                 dynamo,
             )
+            fixed, pinned = ([], placed) if dynamo else (placed, [])
             lost = _lost_axes(path, dict(zip(ins, names)), axes)
             if not lost:
                 break
@@ -100,13 +102,14 @@ def export_with_fallback(
             interrupt.check()  # a Ctrl-C that landed inside the exporter's imports came out as another error
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {error_reason(exc)}")
             if dynamo:
-                validation, refused = _in_distributions(exc), error_reason(exc)
+                validation, refused = _in_distributions(exc), error_reason(exc) + _places(pinned)
                 log.warning("dynamo exporter failed: %s; trying the TorchScript exporter", refused)
     else:
         raise _export_failed(model, example, errors, opset, axes)
     if fixed:
         refuse_traced_branch(fixed, errors, validation)
     proto = load_onnx(path)
+    _drop_debug_metadata(proto.graph)
     restore_axis_names(proto.graph, {d for a in axes.values() for d in a.values()})
     name_io(proto.graph, dict(zip(ins, names)), outputs)
     refuse_label_outputs(proto.graph, shapes, rows(example))
@@ -176,6 +179,24 @@ def _drop_unreferenced_data(path: Path) -> None:
     }
     if data.name not in used:
         data.unlink()
+
+
+# What the dynamo exporter writes on each node that nothing reads: the Python stack the node was traced at and its
+# torch.fx node, most of a small model's file (the module scopes, which Kiln reads, stay)
+_DEBUG_METADATA = frozenset({"pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node"})
+
+
+def _drop_debug_metadata(graph: onnx.GraphProto) -> None:
+    """Drop the exporter's debug metadata (:data:`_DEBUG_METADATA`) from the nodes of ``graph`` and its subgraphs,
+    so the exported file, and each later load of it, is not mostly stack traces."""
+    for node in graph.node:
+        kept = [p for p in node.metadata_props if p.key not in _DEBUG_METADATA]
+        if len(kept) < len(node.metadata_props):
+            del node.metadata_props[:]
+            node.metadata_props.extend(kept)
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else attr.graphs:
+                _drop_debug_metadata(sub)
 
 
 def _lost_axes(path: Path, names: dict[str, str], axes: dict[str, dict[int, str]]) -> list[str]:
@@ -253,7 +274,9 @@ def _export(
     dynamo: bool,
 ) -> list[str]:
     """Export ``model`` to ``path``; returns where the TorchScript exporter's trace turned a tensor into a Python
-    value (``file:line``, the user's code or a library's: :func:`refuse_traced_branch`), empty for dynamo."""
+    value (``file:line``, the user's code or a library's: :func:`refuse_traced_branch`), or, for dynamo, where
+    torch.export fixed a size to the example's (:func:`_pinned_places`): the exporter keeps such an axis silently
+    where ``axes`` make it dynamic, so only its log tells the line."""
     kw: dict[str, Any] = dict(input_names=names, output_names=outputs, opset_version=opset, dynamo=dynamo)
     if dynamo:
         # Graph rewriting is the optimize stage's job (verified, reported, reversible per pass), so export raw.
@@ -271,11 +294,58 @@ def _export(
     # aten::_transformer_encoder_layer_fwd, which neither exporter writes), except for complex weights, whose
     # autograd refuses ops (slice_scatter) before the exporter reaches what it cannot write: complex values
     grad = torch.no_grad() if any(t.is_complex() for t in model.parameters()) else nullcontext()
-    with quiet_torch(), warnings.catch_warnings(record=True) as said, grad:
+    guards: list[str] = []
+    heard = _guards_heard(guards) if dynamo else nullcontext()
+    with quiet_torch(), heard, warnings.catch_warnings(record=True) as said, grad:
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", torch.jit.TracerWarning)
         torch.onnx.export(model, args, str(path), **kw)
+    if dynamo:
+        return _pinned_places(guards)
     return list(dict.fromkeys(place for w in said if (place := _traced_value(w))))
+
+
+@contextmanager
+def _guards_heard(heard: list[str]) -> Iterator[None]:
+    """The guards torch's symbolic-shapes log says torch.export adds while it traces, appended to ``heard``; each
+    names the line it was added at. Only this handler hears them (torch's own would print to the terminal)."""
+    shapes = logging.getLogger(SHAPES_LOG)
+    saved = shapes.level, shapes.propagate, shapes.handlers
+    catch = logging.Handler()
+
+    def hear(record: logging.LogRecord) -> None:
+        if _GUARD_ADDED in (message := record.getMessage()):
+            heard.append(message)
+
+    catch.emit = hear  # type: ignore[method-assign]
+    shapes.setLevel(logging.INFO)
+    shapes.propagate, shapes.handlers = False, [catch]
+    try:
+        yield
+    finally:
+        shapes.setLevel(saved[0])
+        shapes.propagate, shapes.handlers = saved[1:]
+
+
+_GUARD_ADDED = "[guard added]"
+# A guard that fixes a size to a number (``Eq(s53, 16)``), and the line torch's log says it was added at
+_CONSTANT_GUARD = re.compile(r"\bEq\([^,]+, -?\d+\) \[guard added\] \((.+?):(\d+) in [\w<>]+\)")
+
+
+def _pinned_places(guards: list[str]) -> list[str]:
+    """``file:line`` (the file by its name) of each guard in ``guards`` that fixes a size to the example's, outside
+    torch's own files: the user's code or a library's (a Python loop over the size, a size read as an int)."""
+    torch_dir = Path(torch.__file__).parent
+    found = (g.groups() for text in guards if (g := _CONSTANT_GUARD.search(text)))
+    # torch's log names a file relative to torch's folder, else to their common parent
+    return list(dict.fromkeys(f"{Path(f).name}:{n}" for f, n in found if not (torch_dir / f).is_file()))
+
+
+def _places(places: list[str]) -> str:
+    """``, at a.py:3, b.py:9``: where torch.export fixed a size (:func:`_pinned_places`), the first three; empty where
+    none is known."""
+    more = f" and {len(places) - 3} more" if len(places) > 3 else ""
+    return f", at {', '.join(places[:3])}{more}" if places else ""
 
 
 # The TorchScript tracer's warning where Python code reads a tensor's value (``if x.sum() > 0``, ``.item()``,
@@ -350,6 +420,38 @@ def _in_distributions(exc: BaseException) -> str:
 
 # Where torch.distributions.Distribution checks values: its parameters (__init__), a sample given to log_prob
 _VALIDATES = ("__init__", "_validate_sample")
+
+
+def fallback_failed(failure: str, refused: str) -> ModelError:
+    """The error where ONNX Runtime cannot load or run the graph the TorchScript exporter wrote (``failure``: how,
+    in words) after the dynamo exporter failed (``refused``: why, :func:`export_with_fallback`): the graph is the
+    fallback's, so the fix is what made the dynamo exporter fail, not an op of the model's."""
+    return ModelError(
+        f"{failure}; this graph is the TorchScript exporter's, the fallback after the dynamo exporter failed "
+        f"({refused})",
+        hint=_fallback_hint(refused),
+    )
+
+
+def _fallback_hint(refused: str) -> str:
+    """The fix where the TorchScript exporter's graph fails (:func:`fallback_failed`): where the dynamo exporter
+    fixed axes that signature.dynamic_axes makes vary, those axes taken out of it or the code that fixed them
+    (named where torch's log told it) written with tensor ops; else the code the dynamo exporter failed on."""
+    if not refused.startswith(_FIXED_AXES):
+        named = re.search(r"\(in ([\w<>]+\(\) at [^)]+)\)$", refused)
+        return (
+            f"change the code the dynamo exporter failed on{' in ' + named.group(1) if named else ''}, so that it "
+            "exports the model; or export the model yourself and give Kiln the file (model: {onnx: model.onnx})"
+        )
+    labels = ", ".join(dict.fromkeys(re.findall(r" axis \d+ \(([^)]+)\)", refused)))
+    found = re.search(r", at (.+)$", refused)
+    at = f" at {found.group(1)}" if found else ""
+    return (
+        f"remove {labels} from signature.dynamic_axes, so the model is exported at one length (pad shorter inputs "
+        f"to it), which the dynamo exporter exports; or write the code that fixed it{at} with tensor ops over the "
+        "whole axis: a Python loop over it (for t in range(x.shape[1])) is unrolled to the export's size (cumsum or "
+        "a vectorised scan is not)"
+    )
 
 
 class ExportFailed(ModelError):

@@ -19,6 +19,20 @@ def feed(seq: int) -> dict[str, np.ndarray]:
     return {"ids": np.arange(2 * seq).reshape(2, seq) + 1, "mask": np.ones((2, seq), np.int64)}
 
 
+def test_shapes_for_undeclared_axes_say_to_declare_them_or_to_key_by_the_declared_ones() -> None:
+    """signature.shapes {seq: [40]} with no signature.dynamic_axes: the fix is to declare the axis (or drop the
+    shapes), not to key the shapes by the declared names with the failing value as the example."""
+    with pytest.raises(ConfigError) as info:
+        axis_sizes([feed(16)], {}, {"seq": [40]})
+    assert info.value.hint == (
+        "declare seq in signature.dynamic_axes, by input and axis (e.g. {input_ids: {1: seq}}), and export again; "
+        "or leave signature.shapes out"
+    )
+    with pytest.raises(ConfigError) as info:
+        axis_sizes([feed(16)], AXES, {"len": [4]})
+    assert info.value.hint == "key signature.shapes by the axis names of signature.dynamic_axes, e.g. {seq: [8, 32]}"
+
+
 def test_sizes_from_the_data_or_the_config() -> None:
     assert axis_sizes([feed(16)], AXES, {}) == {"seq": [8, 16]}  # one size in the data: half and all of it
     assert axis_sizes([feed(12), feed(16)], AXES, {}) == {"seq": [12, 16]}
