@@ -183,6 +183,9 @@ class EngineMetadata(Record):
     # the batch sizes validation compared the engine with the reference at (the package stage records them):
     # servers take batches up to the largest; empty: not recorded (an engine not validated), no limit but its own
     validated_batch_sizes: list[int] = Field(default_factory=list)
+    # the class-logit output the run named (signature.logits_output), held to top-1 agreement when the engine is
+    # validated again on its own (`kiln validate ENGINE`); None: not named (the default choice applies)
+    logits_output: str | None = None
     settings_hash: str = ""
     size_bytes: int = 0
     file_hashes: dict[str, str] = Field(default_factory=dict)  # file -> sha256, checked by load_engine

@@ -92,6 +92,7 @@ STAGE = Stage(
         "kiln.stages.precision.audit",
         "kiln.stages.precision.config",
         "kiln.stages.export.declaration",
+        "kiln.stages.export.batch_axes",
     ),
     _env,
     "ONNX Runtime, TensorRT and PyTorch (AOTInductor) engines",

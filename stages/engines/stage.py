@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,7 +18,7 @@ import onnx
 from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_json
 from kiln.core.errors import BuildError, ConfigError, KilnError, ModelError
-from kiln.core.inputs import check_batch_fits
+from kiln.core.inputs import check_batch_fits, largest_sizes, random_inputs
 from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx, ort_session
 from kiln.core.ownership import held
 from kiln.core.progress import Progress, SilentProgress
@@ -32,6 +33,7 @@ from kiln.stages.engines.dynamic_axes import check_engine_graph
 from kiln.stages.engines.registry import BACKENDS, backend_named
 from kiln.stages.engines.reuse import PreviousBuild, inputs_key
 from kiln.stages.engines.sizes import checked_ranges, probe_graphs, record_checked
+from kiln.stages.export.batch_axes import batch_ties, first_axis_names, write_ties
 from kiln.stages.export.declaration import read_axis_steps
 from kiln.stages.precision.audit import audit_graph, doubt_fix, engine_audit, label_problem
 from kiln.stages.precision.config import PRECISIONS
@@ -513,18 +515,19 @@ def build_direct(
     ranges, steps = checked_ranges(probe_graphs(Path(src), made_as), dict(axis_sizes or {}), bool(from_variant))
     cache = out.parent / ".kiln-cache"
     try:
-        meta = build_engine(
-            src,
-            out,
-            backend,
-            device,
-            precision,
-            cfg,
-            cache,
-            max_batch=max_batch,
-            axis_sizes=axis_sizes,
-            axis_steps=steps,
-        )
+        with batch_tied(Path(src), axis_sizes or {}) as graph:
+            meta = build_engine(
+                graph,
+                out,
+                backend,
+                device,
+                precision,
+                cfg,
+                cache,
+                max_batch=max_batch,
+                axis_sizes=axis_sizes,
+                axis_steps=steps,
+            )
     except UnsizedLabel:
         raise  # its fix sizes the nodes that put the label in doubt
     except MislabelledEngine as exc:
@@ -541,6 +544,42 @@ def build_direct(
             "variant here",
         ) from None
     return record_checked(out, meta, ranges)
+
+
+@contextmanager
+def batch_tied(src: Path, axis_sizes: dict[str, list[int]]) -> Iterator[Path]:
+    """``src``, or where its inputs name their first axes apart and the graph takes them only in one count
+    (tf2onnx's ``unk__42`` and ``unk__43`` joined by a Concat), a copy of it in a temporary folder with those axes
+    under one name, as ``kiln run``'s export ties them (:func:`~kiln.stages.export.batch_axes.batch_ties`): the
+    engine then takes those inputs as one batch and servers batch its requests. The user's file is never changed
+    (the engine's ``source`` is the copy, its sha256 the tied graph's); errors inside the block that name the copy
+    name ``src``. ``axis_sizes``: sizes of the other dynamic axes by
+    name (``signature.shapes``), for the random rows the graph is run on."""
+    renames = _batch_renames(src, axis_sizes)
+    if not renames:
+        yield src
+        return
+    with tempfile.TemporaryDirectory(prefix="kiln-tied-") as tmp:
+        copy = Path(tmp) / src.name
+        write_ties(src, copy, renames)
+        with naming_source(Path(tmp), src):
+            yield copy
+
+
+def _batch_renames(src: Path, axis_sizes: dict[str, list[int]]) -> dict[str, str]:
+    """The first-axis renames :func:`~kiln.stages.export.batch_axes.batch_ties` finds running ``src`` on two random
+    rows of its inputs (integers within the tables they index; other dynamic axes at their largest given size, else
+    8); none where the random rows do not fit the graph or ONNX Runtime cannot open it (the build says why)."""
+    graph = load_onnx(src, load_external_data=False)
+    if len(set(first_axis_names(graph.graph).values())) < 2:
+        return {}
+    specs, _ = io_specs(graph)
+    try:
+        feed = random_inputs(specs, 2, largest_sizes(specs, axis_sizes) or 8, int_ranges=index_ranges(graph))
+        return batch_ties(src, feed)
+    except KilnError as exc:
+        log.info("first axes of %s not tied: %s", src.name, exc.message)
+        return {}
 
 
 def check_graph(model: onnx.ModelProto, src: Path, backend: str = "onnxruntime") -> None:

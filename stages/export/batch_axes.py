@@ -37,11 +37,20 @@ def first_axis_names(graph: onnx.GraphProto) -> dict[str, str]:
 
 
 def tie_batch_axes(path: Path, feed: dict[str, np.ndarray]) -> dict[str, str]:
-    """Rename, in the file at ``path``, the first axes of inputs the graph takes only in one count to one name (the
-    first input's of each group); returns the renames (old name -> new). Inputs whose values the graph never reads
-    join the first group: their count changes nothing. ``feed``: at least two rows of every input, which the graph
-    answers in one count (else nothing is renamed). Each tie is a warning saying why: the user named those axes
-    apart, and the engine will refuse them in counts of their own."""
+    """Rename, in the file at ``path``, the first axes of inputs the graph takes only in one count to one name
+    (:func:`batch_ties`); returns the renames (old name -> new)."""
+    renames = batch_ties(path, feed)
+    if renames:
+        write_ties(path, path, renames)
+    return renames
+
+
+def batch_ties(path: Path, feed: dict[str, np.ndarray]) -> dict[str, str]:
+    """The renames (old name -> new) that give the first axes of inputs the graph at ``path`` takes only in one
+    count one name (the first input's of each group), without changing the file. Inputs whose values the graph
+    never reads join the first group: their count changes nothing. ``feed``: at least two rows of every input, which
+    the graph answers in one count (else nothing is renamed). Each tie is logged saying why: the user named those
+    axes apart, and the engine will refuse them in counts of their own."""
     graph = load_onnx(path, load_external_data=False).graph
     names = first_axis_names(graph)
     unread = set(unread_inputs(graph))
@@ -58,15 +67,14 @@ def tie_batch_axes(path: Path, feed: dict[str, np.ndarray]) -> dict[str, str]:
     renames = {name: block[0] for block in joined for name in block if name != block[0]}
     renames |= {names[k]: joined[0][0] for k in unread if k in names and names[k] != joined[0][0]}
     if renames:
-        _rename(path, renames, names)
-        why = _why_tied(renames, blocks, {names[k]: k for k in unread if k in names})
+        why = _why_tied(path.name, renames, blocks, {names[k]: k for k in unread if k in names})
         # certain ties (an exporter's per-input names on inputs the graph runs in one count) are said quietly; one
         # the graph would have run apart, since no output carries that count, is Kiln's judgement: a warning
         log.log(logging.WARNING if "no output has an axis" in why else logging.INFO, "%s", why)
     return renames
 
 
-def _why_tied(renames: dict[str, str], blocks: list[list[str]], unread: dict[str, str]) -> str:
+def _why_tied(shown: str, renames: dict[str, str], blocks: list[list[str]], unread: dict[str, str]) -> str:
     """The tie warning: each renamed first axis with the reason the graph gave (it never reads the input, it runs
     the group only in one count with another, or no output carries the group's count at any axis)."""
     block_of = {name: i for i, block in enumerate(blocks) for name in block}
@@ -80,7 +88,7 @@ def _why_tied(renames: dict[str, str], blocks: list[list[str]], unread: dict[str
             reason = f"no output has an axis that follows the count of '{old}' (the graph reads it whole)"
         why.append(f"'{old}' is now '{new}' ({reason})")
     return (
-        "model.onnx names first axes apart that Kiln ties into one batch axis: "
+        f"{shown} names first axes apart that Kiln ties into one batch axis: "
         + "; ".join(why)
         + ". The engines take those inputs in one count only"
     )
@@ -164,17 +172,20 @@ def _leading(blocks: list[list[str]], followed: set[int]) -> list[list[str]]:
     return joined
 
 
-def _rename(path: Path, renames: dict[str, str], names: dict[str, str]) -> None:
-    """Give the first axes of the graph's inputs (and every declared shape) their group's name; an unnamed one
-    (``<input>``) gets its name on that input."""
-    model = load_onnx(path)  # with its weights: the save writes them again where they were external
+def write_ties(src: Path, dest: Path, renames: dict[str, str]) -> None:
+    """Write the graph at ``src`` to ``dest`` (the same file, or Kiln's copy of a user's) with the first axes of its
+    inputs (and every declared shape) under their group's name (``renames``: :func:`batch_ties`); an unnamed one
+    (``<input>``) gets its name on that input, the group's first input too where that name is its own."""
+    model = load_onnx(src)  # with its weights: the save writes them again where they were external
+    names = first_axis_names(model.graph)
+    groups = set(renames.values())
     for value in model.graph.input:
         dims = value.type.tensor_type.shape.dim
         old = names.get(value.name)
-        if old in renames:
-            dims[0].dim_param = renames[old]
+        if old in renames or old in groups:
+            dims[0].dim_param = renames.get(old, old)
     for value in [*model.graph.output, *model.graph.value_info]:
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param in renames:
                 dim.dim_param = renames[dim.dim_param]
-    save_onnx(model, path)
+    save_onnx(model, dest)

@@ -14,10 +14,13 @@ from kiln.stages.package.config import PackageConfig
 
 @dataclass(frozen=True)
 class PackageSettings(StageSettings):
-    """What packaging reads: its section, and the run's name (Triton model names start with it)."""
+    """What packaging reads: its section, the run's name (Triton model names start with it), and the output the run
+    holds to top-1 agreement, recorded in each packaged engine for a later ``kiln validate ENGINE``."""
 
+    SOURCES = {"logits_output": "signature.logits_output"}
     name: str
     package: PackageConfig
+    logits_output: str | int | None = None
 
 
 class PackageSummary(Summary):

@@ -16,6 +16,7 @@ import shutil
 from typing import Any
 
 from kiln.core.errors import GateFailure
+from kiln.core.outputs import logits_name
 from kiln.core.records import EngineMetadata, ValidationResult
 from kiln.core.stage import StageContext
 from kiln.stages.package import INDEX
@@ -50,6 +51,14 @@ def triton_model_name(config_name: str, engine_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", f"{config_name}_{engine_name}")
 
 
+def _with_logits(meta: EngineMetadata, setting: str | int | None) -> EngineMetadata:
+    """``meta`` naming the output the run held to top-1 agreement (``signature.logits_output``, by name), which
+    ``kiln validate ENGINE`` then holds to it too; unchanged where the run named none."""
+    if setting is None:
+        return meta
+    return meta.model_copy(update={"logits_output": logits_name([o.name for o in meta.outputs], setting)})
+
+
 def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
     cfg = ctx.config.package
     if not cfg.enabled:
@@ -76,8 +85,8 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             continue  # only engines proven against PyTorch (and, with precision.require_speedup, faster) are served
         packaged_dir = ctx.out / "engines" / meta.name
         shutil.copytree(engine_dir, packaged_dir)
-        validated = validation.served_metadata(meta)
-        if validated is not meta:  # said in the packaged engine itself, for every server that loads it
+        validated = _with_logits(validation.served_metadata(meta), ctx.config.logits_output)
+        if validated != meta:  # said in the packaged engine itself, for every server and command that loads it
             meta = validated
             meta.write(packaged_dir / SIDECAR)
         capped += [meta] if _capped(meta, cfg.max_batch_size) else []

@@ -148,7 +148,8 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
                 hint="the engine was built from a different model",
             )
     # No labels: accuracy is agreement with the reference, already gated. Every output is compared.
-    logits = direct_top1(list(ref), cfg.signature.logits_output)
+    setting = _logits_setting(cfg, meta, list(ref))
+    logits = direct_top1(list(ref), setting)
     entry = EngineValidation(
         name=meta.name,
         backend=meta.backend,
@@ -163,7 +164,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     kept = compare_all(unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL)
     entry.gates = gates_for(cfg.validate, meta.precision, logits is None)
     summarize(entry, kept, logits, gated_list(entry.gates))  # the headline: what the gates judge
-    _say_no_top1(ref, cfg.signature.logits_output, logits, entry)
+    _say_no_top1(ref, setting, logits, entry)
     batch = str(len(next(iter(parts[0].values()))))  # the batch timed: the engine's fixed one, else every row
     entry.latency_ms = {batch: percentiles(t)}
     entry.batch_sizes, entry.shapes = [int(batch)], [sizes] if (sizes := _named_sizes(meta, feed)) else []
@@ -172,6 +173,18 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     entry.passed = not entry.failures
     entry.hints = [NO_FINITE_FIX] if unmeasured else []
     return entry
+
+
+def _logits_setting(cfg: ValidateSettings, meta: EngineMetadata, names: list[str]) -> str | int | None:
+    """The class-logit output to hold to top-1 agreement: ``signature.logits_output`` where the user gives it (a
+    config, or ``--set``), else the one the engine's run named (``kiln-engine.json``'s ``logits_output``) where the
+    reference has it (``names``), so an engine is checked again on its own as its run checked it."""
+    if cfg.signature.logits_output is not None:
+        return cfg.signature.logits_output
+    if meta.logits_output not in names:
+        return None
+    log.info("class-logit output '%s': the one the engine's run named (signature.logits_output)", meta.logits_output)
+    return meta.logits_output
 
 
 def _refuse_random_graphs(engine_dir: Path, meta: EngineMetadata, reference: Path) -> None:

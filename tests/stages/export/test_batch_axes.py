@@ -127,3 +127,13 @@ def test_inputs_the_graph_runs_in_one_count_only_are_tied_quietly_saying_so(tmp_
     said = [r.getMessage() for r in caplog.records if r.name == "kiln.export"]
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(said) == 1 and "'mask_n' is now 'ids_n' (the graph runs them only in one count)" in said[0]
+
+
+def test_a_group_whose_first_input_has_an_unnamed_first_axis_gets_its_name_on_every_input(tmp_path: Path) -> None:
+    """Both first axes unnamed (an exporter's ``None``): the tie names the first input's axis too, so the inputs
+    share one name rather than one unnamed axis beside a named one."""
+    nodes = [helper.make_node("Mul", ["ids", "mask"], ["t"]), helper.make_node("MatMul", ["t", "w"], ["out"])]
+    path = _saved(tmp_path, nodes, [("ids", None), ("mask", None)], [("out", "n")])
+    assert tie_batch_axes(path, _feed("ids", "mask")) == {"<mask>": "<ids>"}
+    dims = [i.type.tensor_type.shape.dim[0] for i in onnx.load(path).graph.input]
+    assert [d.dim_param for d in dims] == ["<ids>", "<ids>"]
