@@ -14,7 +14,8 @@ from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.fingerprints import FINGERPRINTS
 from kiln.pipeline.runner import RunResult, cache_key, outputs_intact, read_manifest
 from kiln.pipeline.stage_list import STAGE_NAMES, STAGES, stage_named
-from kiln.stages.engines.registry import backend_libraries
+from kiln.stages.engines.registry import BACKENDS, backend_libraries
+from kiln.stages.validate.declaration import REQUIRED
 from kiln.stages.validate.report import inputs_record
 from kiln.stages.validate.report import report_section as validate_section
 
@@ -141,7 +142,9 @@ def result_line(report: dict[str, Any]) -> str:
 def _missing_precisions(report: dict[str, Any], engines: list[dict[str, Any]]) -> list[str]:
     """A precision the run asked for that no engine has, with its reason: the precision stage's record of a variant
     that failed (all-zero calibration data), else the build's (an INT8 graph not made: too little of it ran in INT8
-    to pass the gates). A pass without it says so beside the verdict, on every run."""
+    to pass the gates). A pass without it says so beside the verdict, on every run; one skipped only for want of
+    its kernels on the device, and not in ``precision.required``, as the expected skip it is
+    (:func:`_expected_skip`)."""
     if not engines:  # the run stopped before validation: its error says why
         return []
     stages = report.get("stages", {})
@@ -150,11 +153,48 @@ def _missing_precisions(report: dict[str, Any], engines: list[dict[str, Any]]) -
     asked = [*(precision.get("variants") or {}), *failed]
     skipped = (stages.get("build", {}).get("summary") or {}).get("skipped") or []
     built = {e.get("precision") for e in engines}
+    failures = (report.get("validation") or {}).get("failures") or []
     out = []
     for p in dict.fromkeys(p for p in asked if p not in built):
+        if p not in failed and (expected := _expected_skip(skipped, p, failures)):
+            out.append(expected)
+            continue
         why = failed.get(p) or _skipped_reason(skipped, p)
         out.append(f"no {p} engine" + (f" ({why})" if why else ""))
     return out
+
+
+# How the build's fix starts for an engine whose runtime has no kernels of its precision on its device (ONNX
+# Runtime's CPU provider runs FP16 graphs in FP32): a skip the run's settings expect, no failure
+NO_KERNELS_FIX = "(fix: none needed"
+
+
+def _expected_skip(skipped: list[str], precision: str, failures: list[str]) -> str | None:
+    """The result line's words for a precision no engine was built in only because no backend of the run has its
+    kernels on the device (every skip of it the build's "none needed"), where ``precision.required`` does not ask
+    for it (no validation ``failures`` of it): a normal skip on a CPU, said as one. None: any other case."""
+    mine = [line for line in skipped if line.partition(": ")[0].endswith(f"-{precision}")]
+    if not mine or not all(NO_KERNELS_FIX in line for line in mine):
+        return None
+    if any(f.startswith(REQUIRED) and f"no {precision} engine" in f for f in failures):
+        return None
+    names = [line.partition(": ")[0] for line in mine]
+    devices = sorted({d for name in names if (d := _device(name, precision))})
+    where = f" on {' / '.join(d.upper() for d in devices)}" if devices else ""
+    source = "a GPU backend builds them" if devices == ["cpu"] else f"a device with {precision} kernels builds them"
+    return (
+        f"{precision} skipped{where}, as expected: {', '.join(names)} would compute it in another precision "
+        f"(no {precision} kernels there); {source}"
+    )
+
+
+def _device(name: str, precision: str) -> str | None:
+    """The device of the engine ``name`` of ``precision`` by the registered backends' engine names; None: none."""
+    for backend in BACKENDS.values():
+        for device in backend.devices:
+            if backend.engine_name(device, precision) == name:
+                return device
+    return None
 
 
 def _unmade_graph_engines(report: dict[str, Any], engines: list[dict[str, Any]]) -> list[str]:

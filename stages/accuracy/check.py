@@ -277,6 +277,20 @@ def summarize(
     entry.top1_agreement = floats[logits].top1_agreement if logits in floats else None
     entry.top1_ties = floats[logits].top1_ties if logits in floats else None
     entry.agreement = stats[logits].agreement if logits in stats else "top1"
+    if entry.gates:  # a limit derived from min_cosine is no setting: the record says it beside max_rel_err
+        entry.gates = {**entry.gates, **held_rel_err(entry.outputs, entry.gates, entry.precision, gated)}
+
+
+def held_rel_err(
+    per_output: dict[str, dict[str, Any]], gates: dict[str, Any], precision: str, gated: list[str] | None
+) -> dict[str, Any]:
+    """The relative-error limit ``gates`` hold an engine of ``precision`` to and the outputs held to it, of those
+    ``gated`` (None: every output), as its gates record them (``rel_err_limit``, None where none is held;
+    ``rel_err_outputs``): with ``max_rel_err`` unset the limit is derived (:func:`rel_err_limits`, one for every
+    output it holds), and a record of ``max_rel_err: null`` alone would not say what the engine was held to."""
+    limits = rel_err_limits(per_output, gates, precision)
+    held = [n for n in limits if gated is None or n in gated]
+    return {"rel_err_limit": limits[held[0]] if held else None, "rel_err_outputs": held}
 
 
 def _refuse_batch_of_one(
@@ -1456,7 +1470,9 @@ def accuracy_failures(
     for name, s in per_output.items():  # per output: the worst one must pass (named when the model has several)
         if name in gated:
             named = name and (len(per_output) > 1 or s["cosine"] is None)  # "of its values equal" needs an "it"
-            fails += _output_failures(f"output '{name}' " if named else "", s, gates, rel_limits.get(name))
+            others = [n for n in per_output if n in gated and n != name]
+            accept = _accepting(name if named else "", entry.precision, others)
+            fails += _output_failures(f"output '{name}' " if named else "", s, gates, rel_limits.get(name), accept)
     logits = [n for n, s in per_output.items() if s["cosine"] is not None and s.get("top1_agreement") is not None]
     top1 = entry.top1_agreement if not logits or logits[0] in gated else None  # the class logits' own
     if top1 is not None and not top1 >= gates["min_top1_agreement"] - COUNT_SLACK:
@@ -1504,10 +1520,22 @@ def _cosine_said(cosine: float) -> str:
     return f"{cosine:.6f}" if np.isfinite(cosine) else "undefined (one side all zeros, or NaN/inf in it)"
 
 
-def _output_failures(where: str, s: dict[str, Any], gates: dict[str, Any], rel_limit: float | None) -> list[str]:
+def _accepting(name: str, precision: str, others: list[str]) -> str:
+    """The settings that accept output ``name``'s relative error in an engine of ``precision``: that precision's
+    ``max_rel_err``, or, beside ``others`` gated, ``gated_outputs`` without it (``name`` empty: the one output)."""
+    said = f"validate.gates.per_precision.{precision}.max_rel_err"
+    if name and others:
+        said += f", or validate.gates.gated_outputs: [{', '.join(others)}] to leave '{name}' ungated"
+    return said
+
+
+def _output_failures(
+    where: str, s: dict[str, Any], gates: dict[str, Any], rel_limit: float | None, accept: str = ""
+) -> list[str]:
     """The per-output gates one output's statistics ``s`` miss, each said after ``where`` (its name, or nothing):
     the share of equal values of an integer output, else the cosine (the whole output's, then the worst
-    sample's); the max abs error; the relative error, against ``rel_limit`` (:func:`rel_err_limits`)."""
+    sample's); the max abs error; the relative error, against ``rel_limit`` (:func:`rel_err_limits`), where it is
+    over a small spread with the settings that ``accept`` it (:func:`_over_spread`)."""
     fails = []
     if s["cosine"] is None and s.get("top1_agreement") is not None:  # integer values: equal, or not
         if not s["top1_agreement"] >= gates["min_top1_agreement"] - COUNT_SLACK:
@@ -1523,7 +1551,7 @@ def _output_failures(where: str, s: dict[str, Any], gates: dict[str, Any], rel_l
         fails.append(f"{where}max_abs_err {s['max_abs_err']:.3g} > {gates['max_abs_err']}")
     rel = s.get("rel_err")
     if rel_limit is not None and rel is not None and not rel <= rel_limit:
-        fails.append(f"{where}relative error {rel:.4g} > max_rel_err {rel_limit:.4g}{_over_spread(s)}")
+        fails.append(f"{where}relative error {rel:.4g} > max_rel_err {rel_limit:.4g}{_over_spread(s, accept)}")
     return fails
 
 
@@ -1532,17 +1560,18 @@ def _output_failures(where: str, s: dict[str, Any], gates: dict[str, Any], rel_l
 SMALL_SPREAD = 50.0
 
 
-def _over_spread(stats: dict[str, Any]) -> str:
+def _over_spread(stats: dict[str, Any], accept: str) -> str:
     """Where the relative error is over a spread between samples much smaller than the output's norm (held-out
     inputs alike, or an output on a level far above its variation), what it is over and the error over the norm:
-    a user sees a cosine of 0.9999999 beside the failure and needs both."""
+    a user sees a cosine of 0.9999999 beside the failure and needs both; and, where an error that small over the
+    norm may well be acceptable, the settings that ``accept`` it (:func:`_accepting`)."""
     norm = stats.get("norm_rel_err")
     if norm is None or not norm > 0 or not stats["rel_err"] > SMALL_SPREAD * norm:
         return ""
     return (
         " (the RMS error over how the reference varies between the held-out samples, only "
         f"{norm / stats['rel_err']:.2%} of its RMS; over its norm the error is {norm:.2g}: held-out inputs that "
-        "vary more measure it better)"
+        f"vary more measure it better{f'; to accept it, set {accept}' if accept else ''})"
     )
 
 

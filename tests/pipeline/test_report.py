@@ -153,3 +153,40 @@ def test_engines_of_a_graph_not_made_are_named_beside_the_verdict(tmp_path: Path
     assert line.startswith("PASSED, 1 engine built but not validated: tensorrt-fp16 "), line
     assert line.endswith(f"; no tensorrt-int8 engine ({why})"), line
     assert "onnxruntime-cpu-fp16" not in line  # fp16 has an engine: a backend that runs it in fp32 is no news
+
+
+def _run_from_onnx(tmp_path: Path, *sets: str) -> tuple[int, str]:
+    """``kiln run`` of a tiny ONNX file with ``build.backends: [onnxruntime]`` and the default variants (fp32, fp16,
+    int8) on this CPU, with each ``--set`` of ``sets``: its exit code and its report's result line."""
+    import json
+
+    import yaml
+
+    from kiln.pipeline.report import result_line
+    from tests.pipeline.test_faults import invoke, tiny_onnx
+
+    cfg = tmp_path / "kiln.yaml"
+    model = tiny_onnx(tmp_path / "model.onnx")
+    run = {"model": {"onnx": str(model)}, "build": {"backends": ["onnxruntime"]}, "validate": {"time_budget_s": 0.1}}
+    cfg.write_text(yaml.safe_dump(run))
+    wd = tmp_path / "wd"
+    result = invoke("run", cfg, "-w", wd, "--quiet", *(a for s in sets for a in ("--set", s)))
+    return result.exit_code, result_line(json.loads((wd / "report.json").read_text()))
+
+
+def test_fp16_skipped_on_the_cpu_is_said_as_an_expected_skip(tmp_path: Path) -> None:
+    """ONNX Runtime's CPU runs an FP16 graph in FP32, so the build skips its fp16 engine: with fp16 only among the
+    default variants, the result line says it as the expected skip it is, not as a missing engine."""
+    code, line = _run_from_onnx(tmp_path)
+    assert code == 0, line
+    assert line.startswith("PASSED; fp16 skipped on CPU, as expected: onnxruntime-cpu-fp16 "), line
+    assert "no fp16 engine" not in line and "is labelled fp16" not in line, line
+
+
+def test_a_required_precision_skipped_on_the_cpu_is_still_said_missing(tmp_path: Path) -> None:
+    """With fp16 in ``precision.required`` the same skip fails the run: the result line names the missing engine and
+    the build's reason, with no word of it being expected."""
+    code, line = _run_from_onnx(tmp_path, "precision.required=[fp16]")
+    assert code == 3, line
+    assert line.startswith("FAILED; no fp16 engine (engine onnxruntime-cpu-fp16 is labelled fp16"), line
+    assert "as expected" not in line, line
