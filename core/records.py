@@ -528,8 +528,8 @@ class EngineValidation(Part):
     precision: str
     device: str
     status: Literal["validated", "not-runnable"]
-    # a float16 torch engine whose model runs under torch.autocast (its weights float16, the ops autocast keeps in
-    # float32 so): not float16 throughout, as its report says
+    # a torch engine of a 16- or 8-bit precision whose model runs under torch.autocast (its weights float16, the ops
+    # autocast keeps in float32 so): not in its precision throughout, as its report says
     autocast: bool = False
     passed: bool | None = None
     reason: str | None = None

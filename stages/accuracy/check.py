@@ -1524,6 +1524,8 @@ def _accepting(name: str, precision: str, others: list[str]) -> str:
     """The settings that accept output ``name``'s relative error in an engine of ``precision``: that precision's
     ``max_rel_err``, or, beside ``others`` gated, ``gated_outputs`` without it (``name`` empty: the one output)."""
     said = f"validate.gates.per_precision.{precision}.max_rel_err"
+    if precision in LOWBIT:  # a limit derived for an 8-bit engine spares the class logits; a set one holds them
+        said += " (which holds its class logits too)"
     if name and others:
         said += f", or validate.gates.gated_outputs: [{', '.join(others)}] to leave '{name}' ungated"
     return said

@@ -51,10 +51,11 @@ def triton_model_name(config_name: str, engine_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", f"{config_name}_{engine_name}")
 
 
-def _with_logits(meta: EngineMetadata, setting: str | int | None) -> EngineMetadata:
+def _with_logits(meta: EngineMetadata, setting: str | int | None, held: bool) -> EngineMetadata:
     """``meta`` naming the output the run held to top-1 agreement (``signature.logits_output``, by name), which
-    ``kiln validate ENGINE`` then holds to it too; unchanged where the run named none."""
-    if setting is None:
+    ``kiln validate ENGINE`` then holds to it too; unchanged where the run named none, or where validation did not
+    hold it (``held`` false: a regression head's values, which no top-1 agreement guards)."""
+    if setting is None or not held:
         return meta
     return meta.model_copy(update={"logits_output": logits_name([o.name for o in meta.outputs], setting)})
 
@@ -85,7 +86,8 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             continue  # only engines proven against PyTorch (and, with precision.require_speedup, faster) are served
         packaged_dir = ctx.out / "engines" / meta.name
         shutil.copytree(engine_dir, packaged_dir)
-        validated = _with_logits(validation.served_metadata(meta), ctx.config.logits_output)
+        held = result.top1_agreement is not None
+        validated = _with_logits(validation.served_metadata(meta), ctx.config.logits_output, held)
         if validated != meta:  # said in the packaged engine itself, for every server and command that loads it
             meta = validated
             meta.write(packaged_dir / SIDECAR)

@@ -242,7 +242,7 @@ def _log_dropped(log: logging.Logger, precision: str, exc: KilnError, required: 
     elif precision in required:
         then = f", but precision.required lists {precision}: the run fails at validation without it"
     else:
-        then = f", and so does the run (precision.required: [{precision}] would make it fail the run)"
+        then = f", and so does the run ({precision} in precision.required would make it fail the run)"
     log.warning("%s; the other variants go on%s", exc.message, then)
 
 

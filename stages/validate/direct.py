@@ -178,8 +178,9 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
 def _logits_setting(cfg: ValidateSettings, meta: EngineMetadata, names: list[str]) -> str | int | None:
     """The class-logit output to hold to top-1 agreement: ``signature.logits_output`` where the user gives it (a
     config, or ``--set``), else the one the engine's run named (``kiln-engine.json``'s ``logits_output``) where the
-    reference has it (``names``), so an engine is checked again on its own as its run checked it."""
-    if cfg.signature.logits_output is not None:
+    reference has it (``names``), so an engine is checked again on its own as its run checked it. A setting given
+    as null (``--set signature.logits_output=null``) is the user's too: no output named."""
+    if cfg.signature.logits_output is not None or "logits_output" in cfg.signature.model_fields_set:
         return cfg.signature.logits_output
     if meta.logits_output not in names:
         return None

@@ -252,8 +252,8 @@ def _baseline_speedup(ref: dict[str, Any], own: dict[str, Any], size: str) -> st
 
 
 def _precision(e: EngineValidation) -> str:
-    """The engine's precision as its row names it: a float16 model run under torch.autocast is said so, since the
-    ops autocast keeps in float32 (softmax, norms, reductions) run so."""
+    """The engine's precision as its row names it: a torch engine whose model runs under torch.autocast is said so,
+    since the ops autocast keeps in float32 (softmax, norms, reductions) run so."""
     return f"{e.precision} (autocast)" if e.autocast else e.precision
 
 
@@ -679,7 +679,11 @@ def _roofline(v: ValidationResult) -> list[str]:
     peaks = "; ".join(
         f"{dev}: {p['device']}, measured "
         + ", ".join(f"{k} {x:g}" for k, x in p.get("measured", {}).items())
-        + (" (while other work ran: a floor of its peak, measured again next run)" if p.get("busy") else "")
+        + (
+            " (while other work ran: a floor of its peak, measured again when validation next runs)"
+            if p.get("busy")
+            else ""
+        )
         + (
             " (datasheet " + ", ".join(f"{k} {x:g}" for k, x in p["datasheet"].items()) + ")"
             if p.get("datasheet")

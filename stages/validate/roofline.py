@@ -74,7 +74,9 @@ def peak_tflops(device: str, cache_dir: Path | None) -> dict[str, Any]:
         entry = {"measured": measured, "datasheet": DATASHEET.get(name, {}), "gemm": GEMM[device], "method": METHOD}
         entry["busy"] = busy
         if busy:
-            log.info("%s GEMM peak measured while other work ran: not cached, measured again next run", name)
+            log.info(
+                "%s GEMM peak measured while other work ran: not cached, measured again when validation next runs", name
+            )
         elif path is not None:
             cached[name] = entry
             path.parent.mkdir(parents=True, exist_ok=True)

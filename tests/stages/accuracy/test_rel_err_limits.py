@@ -42,7 +42,7 @@ def test_a_box_error_over_a_small_spread_names_the_settings_that_accept_it() -> 
     entry, failures = _judged("int8")
     (failure,) = failures
     assert failure.startswith("output 'boxes' relative error") and "over its norm the error is" in failure
-    assert "validate.gates.per_precision.int8.max_rel_err" in failure, failure
+    assert "validate.gates.per_precision.int8.max_rel_err (which holds its class logits too)" in failure, failure
     assert "validate.gates.gated_outputs: [logits] to leave 'boxes' ungated" in failure, failure
 
 

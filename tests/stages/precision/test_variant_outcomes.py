@@ -75,7 +75,7 @@ def test_a_variant_not_made_for_its_gates_is_a_warning_beside_the_others(
     then = (
         "the other variants go on, but precision.required lists int8: the run fails at validation without it"
         if required
-        else "the other variants go on, and so does the run (precision.required: [int8] would make it fail the run)"
+        else "the other variants go on, and so does the run (int8 in precision.required would make it fail the run)"
     )
     assert then in said[0].getMessage()
 

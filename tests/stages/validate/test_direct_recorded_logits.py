@@ -54,12 +54,14 @@ def _validated(tmp_path: Path, engine: Path, model: Path, *sets: str) -> tuple[s
     return " ".join(out.output[:start].split()), json.loads(out.output[start:])
 
 
-def _packaged(tmp_path: Path, model: Path, logits_output: str | int | None) -> Path:
-    """The package stage of a run with ``signature.logits_output`` over one validated FP32 engine of ``model``."""
+def _packaged(tmp_path: Path, model: Path, logits_output: str | int | None, held: bool = True) -> Path:
+    """The package stage of a run with ``signature.logits_output`` over one validated FP32 engine of ``model``,
+    whose validation held it to top-1 agreement where ``held``."""
     meta = build_engine(model, tmp_path / "build" / "e", "onnxruntime", "cpu", "fp32", BuildConfig(), tmp_path / "c")
     checked = EngineValidation(
         name=meta.name, backend=meta.backend, precision="fp32", device="cpu", status="validated", passed=True
     )
+    checked.top1_agreement = 1.0 if held else None
     (tmp_path / "validate").mkdir()
     ValidationResult(
         passed=True, baseline=Baseline(accuracy=None, samples=8, latency_ms={}), engines=[checked], failures=[]
@@ -79,6 +81,15 @@ def test_the_runs_logits_output_is_recorded_and_held_to_top1_when_validated_alon
     assert got["top1_agreement"] == 1.0 and got["outputs"]["output_1"]["top1_agreement"] is None, got
     said, got = _validated(tmp_path, engine, model, "signature.logits_output=output_1")  # the user's --set wins
     assert got["outputs"]["output_1"]["top1_agreement"] == 1.0 and got["outputs"]["output_0"]["top1_agreement"] is None
+    said, got = _validated(tmp_path, engine, model, "signature.logits_output=null")  # null too: no output named
+    assert got.get("top1_agreement") is None and "no top-1 agreement" in said, said
+
+
+def test_an_output_the_runs_validation_did_not_hold_to_top1_is_not_recorded(tmp_path: Path) -> None:
+    """A regression head named by signature.logits_output, whose values no top-1 agreement guarded in the run: not
+    recorded, so validating the engine alone does not gate a top-1 the run never gated."""
+    engine = _packaged(tmp_path, _two_outputs(tmp_path / "m.onnx"), "output_0", held=False)
+    assert read_metadata(engine).logits_output is None
 
 
 def test_an_index_is_recorded_by_name_and_a_run_that_named_none_records_none(tmp_path: Path) -> None:
