@@ -515,7 +515,7 @@ def build_direct(
     ranges, steps = checked_ranges(probe_graphs(Path(src), made_as), dict(axis_sizes or {}), bool(from_variant))
     cache = out.parent / ".kiln-cache"
     try:
-        with batch_tied(Path(src), axis_sizes or {}) as graph:
+        with batch_tied(Path(src), axis_sizes or {}, out.parent) as graph:
             meta = build_engine(
                 graph,
                 out,
@@ -547,19 +547,20 @@ def build_direct(
 
 
 @contextmanager
-def batch_tied(src: Path, axis_sizes: dict[str, list[int]]) -> Iterator[Path]:
+def batch_tied(src: Path, axis_sizes: dict[str, list[int]], scratch: Path) -> Iterator[Path]:
     """``src``, or where its inputs name their first axes apart and the graph takes them only in one count
     (tf2onnx's ``unk__42`` and ``unk__43`` joined by a Concat), a copy of it in a temporary folder with those axes
     under one name, as ``kiln run``'s export ties them (:func:`~kiln.stages.export.batch_axes.batch_ties`): the
     engine then takes those inputs as one batch and servers batch its requests. The user's file is never changed
     (the engine's ``source`` is the copy, its sha256 the tied graph's); errors inside the block that name the copy
     name ``src``. ``axis_sizes``: sizes of the other dynamic axes by
-    name (``signature.shapes``), for the random rows the graph is run on."""
+    name (``signature.shapes``), for the random rows the graph is run on; ``scratch``: the folder the copy is
+    written in (beside the engine: a model's weights may not fit the system's temporary folder)."""
     renames = _batch_renames(src, axis_sizes)
     if not renames:
         yield src
         return
-    with tempfile.TemporaryDirectory(prefix="kiln-tied-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=".kiln-tied-", dir=scratch) as tmp:
         copy = Path(tmp) / src.name
         write_ties(src, copy, renames)
         with naming_source(Path(tmp), src):

@@ -48,14 +48,15 @@ def tie_batch_axes(path: Path, feed: dict[str, np.ndarray]) -> dict[str, str]:
 def batch_ties(path: Path, feed: dict[str, np.ndarray]) -> dict[str, str]:
     """The renames (old name -> new) that give the first axes of inputs the graph at ``path`` takes only in one
     count one name (the first input's of each group), without changing the file. Inputs whose values the graph
-    never reads join the first group: their count changes nothing. ``feed``: at least two rows of every input, which
-    the graph answers in one count (else nothing is renamed). Each tie is logged saying why: the user named those
-    axes apart, and the engine will refuse them in counts of their own."""
+    never reads join the first group: their count changes nothing. ``feed``: at least two rows of every input whose
+    first axis is dynamic, which the graph answers in one count (else nothing is renamed). Each tie is logged saying
+    why: the user named those axes apart, and the engine will refuse them in counts of their own."""
     graph = load_onnx(path, load_external_data=False).graph
     names = first_axis_names(graph)
     unread = set(unread_inputs(graph))
     groups = list(dict.fromkeys(n for k, n in names.items() if k not in unread))
-    if len(set(names.values())) < 2 or not groups or len(groups) > MAX_GROUPS or any(len(v) < 2 for v in feed.values()):
+    few = any(len(feed[k]) < 2 for k in names if k in feed)  # of the inputs tied (a scalar input has no rows)
+    if len(set(names.values())) < 2 or not groups or len(groups) > MAX_GROUPS or few:
         return {}
     session = ort_session(path)
     runs = ((p, _run(session, _counts(feed, names, p))) for p in partitions(groups))

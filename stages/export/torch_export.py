@@ -27,7 +27,7 @@ from kiln.core.outputs import FlatModel, named_outputs
 from kiln.core.text import first_line, root_cause
 from kiln.core.user_errors import is_user_file, user_frame, where
 from kiln.stages.export.graph_inputs import refuse_label_outputs, warn_unused_inputs
-from kiln.stages.export.pinned_sizes import BRANCH_FIX, FIXED_SIZE_HINT, pinned_at, size_branch
+from kiln.stages.export.pinned_sizes import BATCH_FIXED_HINT, BRANCH_FIX, FIXED_SIZE_HINT, pinned_at, size_branch
 from kiln.stages.export.quiet import SHAPES_LOG, quiet_torch
 from kiln.stages.export.torch_dims import restore_axis_names, torch_dims
 
@@ -295,7 +295,10 @@ def _export(
     # autograd refuses ops (slice_scatter) before the exporter reaches what it cannot write: complex values
     grad = torch.no_grad() if any(t.is_complex() for t in model.parameters()) else nullcontext()
     guards: list[str] = []
-    heard = _guards_heard(guards) if dynamo else nullcontext()
+    # torch's shape log at INFO costs a stack summary per guard: heard only where an axis besides the batch varies,
+    # the axes a Python loop or a size read as an int fixes (a fixed batch is probed on its own path: pinned_at)
+    varies = any(axis for dims in axes.values() for axis in dims)
+    heard = _guards_heard(guards) if dynamo and varies else nullcontext()
     with quiet_torch(), heard, warnings.catch_warnings(record=True) as said, grad:
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", torch.jit.TracerWarning)
@@ -443,14 +446,17 @@ def _fallback_hint(refused: str) -> str:
             f"change the code the dynamo exporter failed on{' in ' + named.group(1) if named else ''}, so that it "
             "exports the model; or export the model yourself and give Kiln the file (model: {onnx: model.onnx})"
         )
-    labels = ", ".join(dict.fromkeys(re.findall(r" axis \d+ \(([^)]+)\)", refused)))
+    lost = re.findall(r" axis (\d+) \(([^)]+)\)", refused)
     found = re.search(r", at (.+)$", refused)
     at = f" at {found.group(1)}" if found else ""
+    others = {label: int(axis) for axis, label in lost if axis != "0"}  # the batch is export.dynamic_batch's
+    if not others:
+        return f"compute the sizes the code{at} takes from the batch {BATCH_FIXED_HINT}"
     return (
-        f"remove {labels} from signature.dynamic_axes, so the model is exported at one length (pad shorter inputs "
-        f"to it), which the dynamo exporter exports; or write the code that fixed it{at} with tensor ops over the "
-        "whole axis: a Python loop over it (for t in range(x.shape[1])) is unrolled to the export's size (cumsum or "
-        "a vectorised scan is not)"
+        f"remove {', '.join(others)} from signature.dynamic_axes, so the model is exported at one length (pad shorter "
+        f"inputs to it), which the dynamo exporter exports; or write the code that fixed it{at} with tensor ops over "
+        f"the whole axis: a Python loop over it (for t in range(x.shape[{next(iter(others.values()))}])) is unrolled "
+        "to the export's size (cumsum or a vectorised scan is not)"
     )
 
 

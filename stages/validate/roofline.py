@@ -53,6 +53,16 @@ def device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()} x{cpu_threads()} threads"
 
 
+def cgroup_cores(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
+    """The cores a container's CPU limit gives this process (cgroup v2 ``cpu.max``: quota over period); None where
+    there is no limit or no such file. Threads past it share that time, so they cannot each run the whole wall."""
+    try:
+        quota, period = path.read_text().split()[:2]
+        return int(quota) / int(period) if quota != "max" else None
+    except (OSError, ValueError):
+        return None
+
+
 def cpu_threads() -> int:
     """The threads a CPU peak is measured on: every core this process may use, as ONNX Runtime's CPU engines
     take them (their pools default to the cores), not the fewer PyTorch may run on while a busy machine lowers
@@ -130,7 +140,8 @@ def _measure_cpu(n: int) -> tuple[float, float]:
             torch.set_num_threads(threads)
             cpu0, wall0 = time.process_time(), time.perf_counter()
             seconds = _best_seconds(lambda: a @ b, "cpu")
-            shares.append((time.process_time() - cpu0) / ((time.perf_counter() - wall0) * threads))
+            room = min(threads, cgroup_cores() or threads)  # a container's limit caps the time its threads get
+            shares.append((time.process_time() - cpu0) / ((time.perf_counter() - wall0) * room))
             best = max(best, 2 * n**3 / seconds / 1e12)
     finally:
         torch.set_num_threads(before)

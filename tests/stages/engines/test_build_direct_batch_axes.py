@@ -60,3 +60,24 @@ def test_a_two_tower_graph_keeps_its_inputs_first_axes_apart(tmp_path: Path) -> 
     meta, src, before = _built(tmp_path, joined=False)
     assert [s.shape[0] for s in meta.inputs] == ["unk__42", "unk__43"]
     assert served_max_batch(meta, 32) == 0 and hash_file(src) == before
+
+
+def test_a_scalar_input_beside_the_tied_ones_is_no_crash(tmp_path: Path) -> None:
+    """A scalar ``scale`` beside ``images`` and ``meta``: it has no rows to count, and the two are still tied."""
+    value = helper.make_tensor_value_info
+    inputs = [
+        value("images", TensorProto.FLOAT, ["unk__42", 3]),
+        value("meta", TensorProto.FLOAT, ["unk__43", 2]),
+        value("scale", TensorProto.FLOAT, []),
+    ]
+    nodes = [
+        helper.make_node("Concat", ["images", "meta"], ["c"], axis=1),
+        helper.make_node("Mul", ["c", "scale"], ["out"]),
+    ]
+    graph = helper.make_graph(nodes, "g", inputs, [value("out", TensorProto.FLOAT, ["unk__44", 5])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "s.onnx")
+    result = invoke("build", tmp_path / "s.onnx", "-o", tmp_path / "e")
+    assert result.exit_code == 0, result.output
+    meta = EngineMetadata.read(tmp_path / "e" / SIDECAR, hint="")
+    assert [s.shape[0] for s in meta.inputs if s.shape] == ["unk__42", "unk__42"]
+    assert not list(tmp_path.glob(".kiln-tied-*"))  # the copy is gone

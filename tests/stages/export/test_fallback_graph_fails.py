@@ -126,3 +126,14 @@ def test_a_mamba_whose_fallback_graph_fails_names_the_library_loop_and_the_axis(
         batch_parity(model, path, example, x, 1e-4, exported_session(path, refused), 1e-4, refused)
     assert "not even at batch 2" in info.value.message and refused in info.value.message, info.value.message
     assert re.match(r"remove seq from signature\.dynamic_axes.*at modeling_mamba\.py:\d+", info.value.hint)
+
+
+def test_a_batch_dynamo_fixed_is_no_signature_axis_to_remove() -> None:
+    """The batch axis is export.dynamic_batch's, not signature.dynamic_axes': its fix is to take sizes from the
+    batch with tensor ops, and where another axis was fixed too, that one's loop reads its own axis."""
+    from kiln.stages.export.torch_export import fallback_failed
+
+    batch = fallback_failed("x", "it fixed input 'x' axis 0 (batch), which signature.dynamic_axes makes dynamic")
+    assert "signature.dynamic_axes" not in batch.hint and batch.hint.startswith("compute the sizes"), batch.hint
+    both = fallback_failed("x", "it fixed input 'x' axis 0 (batch), input 'x' axis 2 (time), which ... at m.py:3")
+    assert both.hint.startswith("remove time from signature.dynamic_axes") and "x.shape[2]" in both.hint, both.hint

@@ -146,3 +146,14 @@ def test_the_report_says_an_engine_outran_a_peak_measured_while_other_work_ran()
     row = [x for x in lines if x.startswith("| e | ")][-1]  # the roofline table is the last to list it
     assert "| > 100 (fp32) |" in row, row
     assert "while other work ran" in next(x for x in lines if x.startswith("Peak TFLOP/s")), lines
+
+
+def test_a_containers_cpu_limit_is_read_from_its_cgroup(tmp_path: Path) -> None:
+    """Sixteen threads under a two-core limit get an eighth of the wall each on an idle host: the busy share counts
+    the two cores the limit gives, not the threads."""
+    limit = tmp_path / "cpu.max"
+    limit.write_text("200000 100000\n")
+    assert rl.cgroup_cores(limit) == 2.0
+    limit.write_text("max 100000\n")
+    assert rl.cgroup_cores(limit) is None
+    assert rl.cgroup_cores(tmp_path / "absent") is None
