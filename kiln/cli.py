@@ -998,7 +998,9 @@ def _precision_direct(
     for name, v in summary["variants"].items():
         shown = out / Path(v["path"]).relative_to(staged)
         only = (
-            f"; for {v['only']} engines only, its Q/DQ graph was not made (variants.json says why)" if v["only"] else ""
+            f"; for {v['only']} engines only, its Q/DQ graph is kept for inspection only (variants.json says why)"
+            if v["only"]
+            else ""
         )
         said = v.get("baseline") or f"{v['kept_fp32']} nodes kept FP32{only}"  # fp32, not asked for: why it is here
         results.print(f"{name}: {shown} ({said})", highlight=False, soft_wrap=True)

@@ -77,7 +77,7 @@ def report_section(v: ValidationResult) -> list[str]:
     b = v.baseline
     sizes = _sizes(v)
     # a model without class logits (float targets) is held to each output's relative error: a column of its own
-    rel = any(e.gates.get("max_rel_err") is not None for e in v.engines)
+    rel = any(_rel_limit(e.gates) is not None for e in v.engines)  # a limit set, or derived (rel_err_limit)
     onnx_file = b.backend == "onnxruntime"  # `model.onnx`: the reference is that file, not a PyTorch model
     against = "the input ONNX file" if onnx_file else "PyTorch"
     lines = [
@@ -126,7 +126,7 @@ def report_section(v: ValidationResult) -> list[str]:
         lines.append(
             f"| {e.name} | {_precision(e)} | {e.device} | {'yes' if e.passed else '**no**'} | "
             f"{_gated(fmt(e.max_abs_err, '.2e'), '≤', g.get('max_abs_err'))} | "
-            + (f"{_gated(fmt(e.rel_err, '.4g'), '≤', g.get('max_rel_err'))} | " if rel else "")
+            + (f"{_gated(fmt(e.rel_err, '.4g'), '≤', _rel_limit(g))} | " if rel else "")
             + f"{_gated(fmt(e.cosine, '.6f'), '≥', g.get('min_cosine'))} | "
             f"{_gated(fmt(sample, '.6f'), '≥', sample_gate)} | "
             f"{_gated(_top1(e), '≥', top1_gate) if e.top1_agreement is not None else _ungated_top1(e)} | "
@@ -664,6 +664,13 @@ def _peak(p: dict[str, Any]) -> str:
 def at_least(row: dict[str, Any]) -> str:
     """ "≥ " before a roofline row's figures where its FLOPs leave out compute nodes the audit could not count."""
     return "≥ " if row.get("flops_lower_bound") else ""
+
+
+def _rel_limit(gates: dict[str, Any]) -> float | None:
+    """The relative-error limit an engine was held to: ``max_rel_err`` where set, else the one derived for it
+    (``rel_err_limit``, recorded by :func:`kiln.stages.accuracy.check.summarize`; None: none held)."""
+    limit = gates.get("max_rel_err")
+    return limit if limit is not None else gates.get("rel_err_limit")
 
 
 def _share_of_peak(row: dict[str, Any]) -> str:

@@ -373,3 +373,17 @@ def test_a_torch_engine_run_under_autocast_says_so_beside_its_precision() -> Non
     header, _, *rows = _table(report_section(v))
     precision = {r[0]: dict(zip(header, r))["precision"] for r in rows}
     assert precision["plain"] == "fp16" and precision["mixed"] == "fp16 (autocast)", precision
+
+
+def test_a_derived_relative_error_limit_is_shown_beside_the_error_it_held() -> None:
+    """No max_rel_err set: the limit derived for the engine (its gates' rel_err_limit) is the one in its row."""
+    engine = EngineValidation(
+        name="e", backend="onnxruntime", precision="int8", device="cpu", status="validated", passed=False
+    )
+    engine.rel_err, engine.gates = 0.2536, {"max_rel_err": None, "rel_err_limit": 0.01414}
+    engine.latency_ms = {"4": Percentiles(p50=0.2, p90=0.2, p99=0.2)}
+    v = ValidationResult(
+        passed=False, baseline=Baseline(accuracy=None, samples=8, latency_ms={}), engines=[engine], failures=[]
+    )
+    header, _, *rows = _table(report_section(v))
+    assert dict(zip(header, rows[-1]))["rel err"] == "0.2536 (≤ 0.01414)", rows
