@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -169,12 +170,17 @@ def _missing_precisions(report: dict[str, Any], engines: list[dict[str, Any]]) -
 NO_KERNELS_FIX = "(fix: none needed"
 
 
+# A backend's plan that builds a precision on a GPU only (the torch backend's "FP16 on the GPU", "for CUDA GPUs")
+GPU_ONLY = re.compile(r"on the GPU|for CUDA GPUs")
+
+
 def _expected_skip(skipped: list[str], precision: str, failures: list[str]) -> str | None:
     """The result line's words for a precision no engine was built in only because no backend of the run has its
-    kernels on the device (every skip of it the build's "none needed"), where ``precision.required`` does not ask
-    for it (no validation ``failures`` of it): a normal skip on a CPU, said as one. None: any other case."""
+    kernels on the device (every skip of it the build's "none needed", or a backend's plan that builds it on a GPU
+    only, :data:`GPU_ONLY`), where ``precision.required`` does not ask for it (no validation ``failures`` of it): a
+    normal skip on a CPU, said as one. None: any other case."""
     mine = [line for line in skipped if line.partition(": ")[0].endswith(f"-{precision}")]
-    if not mine or not all(NO_KERNELS_FIX in line for line in mine):
+    if not mine or not all(NO_KERNELS_FIX in line or GPU_ONLY.search(line) for line in mine):
         return None
     if any(f.startswith(REQUIRED) and f"no {precision} engine" in f for f in failures):
         return None

@@ -43,7 +43,7 @@ from kiln.pipeline.fingerprints import FINGERPRINTS, dataset_fingerprint
 from kiln.pipeline.manifests import handed_on, out_of_date
 from kiln.pipeline.user_code import code_version, import_root
 from kiln.stages.engines.registry import backend_libraries
-from kiln.stages.validate.declaration import REQUIRED, UNVALIDATED
+from kiln.stages.validate.declaration import NOT_BUILT, REQUIRED, UNVALIDATED
 from kiln.stages.validate.measured import NO_FINITE_FIX, unmeasured
 
 log = logging.getLogger("kiln")
@@ -79,6 +79,11 @@ def gate_hint(failures: list[str], status: str) -> str:
         return (
             "validate the engines on a machine that runs them (`kiln validate` there), or add a backend this "
             "machine runs (build.backends: [onnxruntime])"
+        )
+    if all(f.startswith(REQUIRED) and NOT_BUILT in f for f in failures):  # no gate missed: none to relax
+        return (
+            "the result line says why none was built: a precision this device has no kernels for (FP16 on a CPU) is "
+            "built on a GPU (build.backends, each backend's devices), or take it out of precision.required"
         )
     if all(f.startswith(REQUIRED) for f in failures):
         return (

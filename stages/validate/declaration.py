@@ -19,6 +19,8 @@ from kiln.stages.validate.report import report_section
 REQUIRED = "precision.required: "
 # how a failure of precision.required says its engines exist but could not run here (validated where they run)
 UNVALIDATED = "were built but not validated on this machine"
+# how a failure of precision.required says no engine of the precision was built at all (no gate was missed)
+NOT_BUILT = "engine was built (the result line says why)"
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
 from kiln.stages.validate.baselines import from_rounds, prepare_baseline, speedups
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.coupling import rows_may_mix
-from kiln.stages.validate.declaration import REQUIRED, UNVALIDATED, ValidateSettings
+from kiln.stages.validate.declaration import NOT_BUILT, REQUIRED, UNVALIDATED, ValidateSettings
 from kiln.stages.validate.measured import NO_FINITE_FIX, has_no_number_samples, nothing_measured, unmeasured
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 from kiln.stages.validate.report import NAMED_PREDICTION
@@ -102,7 +102,7 @@ def required_failures(required: list[str], engines: list[EngineValidation], drop
         if any(e.status == "validated" and e.passed and e.name not in dropped for e in mine):
             continue
         if not mine:
-            why = f"no {p} engine was built (the result line says why)"
+            why = f"no {p} {NOT_BUILT}"
         elif all(e.status != "validated" for e in mine):
             reasons = "; ".join(dict.fromkeys(e.reason for e in mine if e.reason))
             why = f"{p} engines {UNVALIDATED} ({', '.join(e.name for e in mine)}{': ' + reasons if reasons else ''})"

@@ -155,9 +155,9 @@ def test_engines_of_a_graph_not_made_are_named_beside_the_verdict(tmp_path: Path
     assert "onnxruntime-cpu-fp16" not in line  # fp16 has an engine: a backend that runs it in fp32 is no news
 
 
-def _run_from_onnx(tmp_path: Path, *sets: str) -> tuple[int, str]:
+def _run_from_onnx(tmp_path: Path, *sets: str) -> tuple[int, str, str]:
     """``kiln run`` of a tiny ONNX file with ``build.backends: [onnxruntime]`` and the default variants (fp32, fp16,
-    int8) on this CPU, with each ``--set`` of ``sets``: its exit code and its report's result line."""
+    int8) on this CPU, with each ``--set`` of ``sets``: its exit code, its report's result line and its output."""
     import json
 
     import yaml
@@ -171,13 +171,13 @@ def _run_from_onnx(tmp_path: Path, *sets: str) -> tuple[int, str]:
     cfg.write_text(yaml.safe_dump(run))
     wd = tmp_path / "wd"
     result = invoke("run", cfg, "-w", wd, "--quiet", *(a for s in sets for a in ("--set", s)))
-    return result.exit_code, result_line(json.loads((wd / "report.json").read_text()))
+    return result.exit_code, result_line(json.loads((wd / "report.json").read_text())), result.output
 
 
 def test_fp16_skipped_on_the_cpu_is_said_as_an_expected_skip(tmp_path: Path) -> None:
     """ONNX Runtime's CPU runs an FP16 graph in FP32, so the build skips its fp16 engine: with fp16 only among the
     default variants, the result line says it as the expected skip it is, not as a missing engine."""
-    code, line = _run_from_onnx(tmp_path)
+    code, line, _ = _run_from_onnx(tmp_path)
     assert code == 0, line
     assert line.startswith("PASSED; fp16 skipped on CPU, as expected: onnxruntime-cpu-fp16 "), line
     assert "no fp16 engine" not in line and "is labelled fp16" not in line, line
@@ -186,7 +186,22 @@ def test_fp16_skipped_on_the_cpu_is_said_as_an_expected_skip(tmp_path: Path) -> 
 def test_a_required_precision_skipped_on_the_cpu_is_still_said_missing(tmp_path: Path) -> None:
     """With fp16 in ``precision.required`` the same skip fails the run: the result line names the missing engine and
     the build's reason, with no word of it being expected."""
-    code, line = _run_from_onnx(tmp_path, "precision.required=[fp16]")
+    code, line, output = _run_from_onnx(tmp_path, "precision.required=[fp16]")
     assert code == 3, line
     assert line.startswith("FAILED; no fp16 engine (engine onnxruntime-cpu-fp16 is labelled fp16"), line
     assert "as expected" not in line, line
+    fix = next(x for x in output.splitlines() if x.startswith("fix: "))  # no gate was missed: none to relax
+    assert "built on a GPU" in fix and "relax" not in fix, fix
+
+
+def test_a_gpu_only_plan_of_another_backend_is_part_of_the_expected_skip() -> None:
+    """The torch backend plans FP16 engines on the GPU only: beside ONNX Runtime's CPU skip, still the expected one."""
+    from kiln.pipeline.report import _expected_skip
+
+    skipped = [
+        "onnxruntime-cpu-fp16: engine onnxruntime-cpu-fp16 is labelled fp16, it computes 0% in fp16 (fix: none needed)",
+        "torch-cpu-fp16: AOTInductor engines are FP32, or FP16 on the GPU",
+    ]
+    said = _expected_skip(skipped, "fp16", [])
+    assert said is not None and said.startswith("fp16 skipped on CPU, as expected"), said
+    assert _expected_skip([*skipped, "tensorrt-cuda-fp16: its build failed"], "fp16", []) is None
