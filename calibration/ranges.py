@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import logging
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
@@ -216,16 +217,23 @@ def _run_calibrator(
 
 
 def _collect(calibrator: Any, reader: ArrayReader, method: str) -> Any:
-    """Run the calibration data through ``calibrator`` and compute its ranges. Entropy: thresholds from
-    :func:`kiln.calibration.entropy.entropy_ranges` (ORT's search, vectorised); a tensor past float32's half range
-    (a mask fill) overflows the width of ORT's histogram, so numpy's bare overflow warning is replaced by one log
-    line naming those tensors, whose ranges are the values seen."""
-    if method != "entropy":
+    """Run the calibration data through ``calibrator`` and compute its ranges. Histogram methods see only the
+    tensors that are finite on the data (:class:`_FiniteHistograms`); the others come back with the range of the
+    values seen, not finite, as minmax gives it, so their nodes stay in float (:meth:`Ranges.unbounded`).
+    Entropy: thresholds from :func:`kiln.calibration.entropy.entropy_ranges` (ORT's search, vectorised); a tensor
+    past float32's half range (a mask fill) overflows the width of ORT's histogram, so numpy's bare overflow warning
+    is replaced by one log line naming those tensors, whose ranges are the values seen."""
+    if method == "minmax":
         calibrator.collect_data(reader)
         return calibrator.compute_data()
+    finite = _FiniteHistograms(calibrator)
+    calibrator.collector = finite  # ORT's collect_data builds its own collector only where none is set
+    if method != "entropy":
+        calibrator.collect_data(reader)
+        return finite.with_unbounded(calibrator.compute_data() if finite.get_histogram_dict() else None)
     with np.errstate(over="ignore"):
         calibrator.collect_data(reader)
-    histograms = calibrator.collector.get_histogram_dict()
+    histograms = finite.get_histogram_dict()
     wide = beyond_histograms(histograms)
     if wide:
         log.info(
@@ -236,7 +244,66 @@ def _collect(calibrator: Any, reader: ArrayReader, method: str) -> Any:
             ", ".join(wide[:4]),
             f" and {len(wide) - 4} more" if len(wide) > 4 else "",
         )
-    return entropy_ranges(histograms, ENTROPY_BINS["num_quantized_bins"])
+    return finite.with_unbounded(entropy_ranges(histograms, ENTROPY_BINS["num_quantized_bins"]))
+
+
+class _FiniteHistograms:
+    """ORT's ``HistogramCollector`` for ``calibrator``, fed only the tensors that are finite on the data.
+
+    ``np.histogram`` refuses a range that is not finite, so one ``-inf`` (a policy's masked logits) or NaN in any
+    tensor would stop the whole calibration. ORT's ``HistogramCalibrater.collect_data`` uses ``calibrator.collector``
+    where one is set, and calls nothing else on it than ``collect`` and ``compute_collection_result``: this wrapper
+    in that place is the one hook there is, short of reimplementing the collection loop. Its tensors holding a
+    non-finite value are set aside with the range of the values seen (NaN ignored, as minmax's ``np.nanmin``). The
+    others reach ORT as one flat array each: its ``collect_value`` stacks a tensor's batches with ``np.asarray``,
+    which fails on batches of different sizes (the data's own and those of other validated shapes)."""
+
+    def __init__(self, calibrator: Any) -> None:
+        from onnxruntime.quantization.calibrate import HistogramCollector
+
+        self.collector = HistogramCollector(  # as ORT's collect_data builds it
+            method=calibrator.method,
+            symmetric=calibrator.symmetric,
+            num_bins=calibrator.num_bins,
+            num_quantized_bins=calibrator.num_quantized_bins,
+            percentile=calibrator.percentile,
+            scenario=calibrator.scenario,
+        )
+        self.aside: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def collect(self, name_to_arr: dict[str, Any]) -> None:
+        """Histogram the tensors whose every value is finite (their batches as one flat array: ORT flattens them
+        anyway); record the range of the others."""
+        finite = {}
+        for name, arrays in name_to_arr.items():
+            flat = np.concatenate([np.ravel(a) for a in (arrays if isinstance(arrays, list) else [arrays])])
+            if np.isfinite(flat).all():
+                finite[name] = flat
+                continue
+            with warnings.catch_warnings():  # a tensor NaN everywhere: its range is NaN, said by check_ranges
+                warnings.simplefilter("ignore", RuntimeWarning)
+                lo, hi = np.nanmin(flat), np.nanmax(flat)
+            if name in self.aside:
+                lo, hi = np.fmin(self.aside[name][0], lo), np.fmax(self.aside[name][1], hi)
+            self.aside[name] = (np.asarray(lo, dtype=flat.dtype), np.asarray(hi, dtype=flat.dtype))
+        if finite:
+            self.collector.collect(finite)
+
+    def get_histogram_dict(self) -> dict[str, tuple[Any, ...]]:
+        """The histograms of the finite tensors, as ORT's collector keeps them."""
+        return self.collector.get_histogram_dict()
+
+    def compute_collection_result(self) -> dict[str, Any]:
+        """ORT's ranges of the finite tensors (its percentile or distribution method)."""
+        return self.collector.compute_collection_result()
+
+    def with_unbounded(self, tensors: Any) -> Any:
+        """``tensors`` (ORT ``TensorsData``, None where no tensor was finite) plus the ranges set aside."""
+        from onnxruntime.quantization.calibrate import TensorData, TensorsData
+
+        data = {} if tensors is None else dict(tensors.data)
+        data |= {name: TensorData(lowest=lo, highest=hi) for name, (lo, hi) in self.aside.items()}
+        return TensorsData(_ort_method(self.collector.method), data)
 
 
 @contextmanager
