@@ -9,7 +9,7 @@ as Hugging Face's token-classification models and torch's ``cross_entropy(ignore
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -53,8 +53,29 @@ def floating(y: Any) -> bool:
 
 
 def per_position(y: Any) -> bool:
-    """Integer labels with more than one axis: one per position of each row."""
+    """Integer labels with more than one axis: one per position of each row, or several targets per sample (a
+    multi-task model's ``[N, 2]``); :func:`follows_positions` tells which where the model's outputs or inputs are
+    known."""
     return y.ndim > 1 and not floating(y)
+
+
+def follows_positions(
+    y: Any, logits: Any | None = None, outputs: Iterable[Any] = (), sizes: Iterable[int] = ()
+) -> bool:
+    """Whether integer labels ``y`` with more than one axis are labels per position (a tag per token, a class per
+    pixel), not several targets per sample (a multi-task model's topic and sentiment classes, ``[N, 2]``, which
+    train.loss and validate.metric split). Such targets come one row per sample, so labels of three axes and more
+    are labels per position; labels ``[N, K]`` are where axis 1 follows a position axis of the model: the class
+    logits ``logits`` have one more axis than the labels (their class axis, ``[N, T, C]``; a sequence's targets of
+    another length too) or more rows (positions flattened, ``[N * T, C]``); or an output with more axes than the
+    labels has an axis ``K`` long after the batch (hidden states ``[N, T, H]`` beside pooled logits ``[N, C]``); or
+    a dynamic input axis is ``K`` long (``sizes``: the inputs' sizes besides the batch)."""
+    if not per_position(y):
+        return False
+    if y.ndim > 2 or logits is not None and (logits.ndim == y.ndim + 1 or len(logits) > len(y)):
+        return True
+    size = y.shape[1]
+    return size in set(sizes) or any(o.ndim > y.ndim and size in tuple(o.shape[1:]) for o in outputs)
 
 
 def copied_input(inputs: Mapping[str, Any], y: Any) -> str | None:

@@ -29,7 +29,15 @@ from kiln.core.compare import (
 )
 from kiln.core.data import DatasetSplits, Feed, feed_for_graph, feed_rows, feed_take, rows, take
 from kiln.core.errors import ConfigError, ModelError
-from kiln.core.labels import IGNORE_LABEL, is_mask_name, left_padded, padding_ties, per_position, without_padding
+from kiln.core.labels import (
+    IGNORE_LABEL,
+    follows_positions,
+    is_mask_name,
+    left_padded,
+    padding_ties,
+    per_position,
+    without_padding,
+)
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.outputs import logits_name
 from kiln.core.records import EngineValidation
@@ -494,7 +502,7 @@ def labels_at_points(
     attention mask shows left padding) or repeated as the input is (:func:`kiln.core.shapes.resize`; padded with
     ``IGNORE_LABEL`` where the input is padded) (:func:`label_axes`). None at a shape they cannot follow,
     and where inputs on different axes tie, at a shape where those would give other labels."""
-    if labels is None or not per_position(labels):
+    if labels is None or not follows_positions(labels, sizes=own_point(feed, axes).values()):
         return [labels] * len(feeds)
     options = label_axes(labels, feed, axes, follows)
     left = left_padded(feed, axes)  # cut from the end where the input's rows are, as the input is
@@ -804,9 +812,10 @@ class Reference:
             check_labels_fit(out, y, self.logits or "")
         except ModelError as exc:
             log.warning(
-                "%s: no task accuracy is measured on them; top-1 agreement with the reference is (a metric of "
-                "your own, validate.metric, can score such labels)",
+                "%s: no task accuracy is measured on them; output '%s' is held to top-1 agreement with the reference%s",
                 exc.message,
+                self.logits,
+                "" if self.metric is not None else " (a metric of your own, validate.metric, can score such labels)",
             )
             self.point_labels = [None] * len(self.point_labels)
 
@@ -907,8 +916,8 @@ class Reference:
     def labelled(self, index: int, batch: int | None = None) -> np.ndarray | None:
         """Where feed ``index`` (``batch`` rows of it: :func:`sample_batch`) has per-position labels, the labelled
         positions, over which top-1 agreement is counted; None: every row and position counts."""
-        y = self.point_labels[index]
-        if y is None or not per_position(y):
+        y, (point, _), out = self.point_labels[index], self.feeds[index], self.outputs[index]
+        if y is None or not follows_positions(y, out.get(self.logits or ""), out.values(), point.values()):
             return None
         return (y if batch is None else sample_batch(y, batch)) != IGNORE_LABEL
 
@@ -921,12 +930,29 @@ def check_labels_fit(logits: np.ndarray, labels: np.ndarray, name: str) -> None:
         raise ModelError(
             f"the held-out labels {labels.dtype}{list(labels.shape)} do not fit the class-logit output '{name}' "
             f"{list(logits.shape)}: it takes labels shaped {list(positions)}",
-            hint="multi-label 0/1 targets shaped like the logits: return them as floats (each output is then held to "
-            "its relative error; validate.metric: multilabel_f1 scores them)"
-            if tuple(labels.shape) == tuple(logits.shape)
-            else "return labels that fit the model's output from the data function, or name the class-logit output "
-            "in signature.logits_output",
+            hint=_misfit_labels_hint(logits, labels),
         )
+
+
+def _misfit_labels_hint(logits: np.ndarray, labels: np.ndarray) -> str:
+    """The fix for held-out labels that do not fit the class logits: 0/1 targets shaped like them are a multi-label
+    head's; integer labels of a row each beside logits of a row each are several targets per sample (a multi-task
+    model's), which only a metric of the user's reads."""
+    if tuple(labels.shape) == tuple(logits.shape):
+        return (
+            "multi-label 0/1 targets shaped like the logits: return them as floats (each output is then held to its "
+            "relative error; validate.metric: multilabel_f1 scores them)"
+        )
+    if labels.ndim == logits.ndim == 2 and labels.dtype.kind in "iu":
+        return (
+            "labels of several targets per sample score no task accuracy: name the class-logit output in "
+            "signature.logits_output (held to top-1 agreement with the reference) and score the targets with "
+            "validate.metric, a function of your own reading each column"
+        )
+    return (
+        "return labels that fit the model's output from the data function, or name the class-logit output in "
+        "signature.logits_output"
+    )
 
 
 def held_out(
@@ -1030,7 +1056,7 @@ def label_positions(
     (an encoder-decoder whose source and target have one length), from the reference run on ``batch`` rows at each
     validated shape. Where that leaves the axis unknown, said: the labels are used only at the shapes where the
     tied inputs agree."""
-    if labels is None or logits is None or not per_position(labels):
+    if labels is None or logits is None or not follows_positions(labels, sizes=own_point(own, axes).values()):
         return None
     follows = logits_positions(output_axes, logits, labels)
     if not follows and len(label_axes(labels, own, axes)) > 1:
@@ -1075,7 +1101,7 @@ def scoring_point(
     axes the class logits' positions lie on (:func:`labels_at_points`)."""
     if labels is None:
         return feeds, len(feeds) - 1
-    if not per_position(labels):
+    if not follows_positions(labels, sizes=own_point(own, axes).values()):
         return own_scoring_point(own, feeds, axes, metric, len(feeds) - 1)
     fit = [i for i, y in enumerate(labels_at_points(labels, own, feeds, axes, follows)) if y is not None]
     if fit:

@@ -19,7 +19,7 @@ import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ class Task:
     kind: str  # "classification" | "regression" | "custom"
     logits_output: str | int | None = None
     user_loss: LossFn | None = None
+    trains: bool = True  # False: it scores a model not trained here (scoring_task), which no loss optimizes
 
     def target(self, out: Any) -> torch.Tensor:
         """The output the built-in loss (and accuracy) reads."""
@@ -65,6 +66,8 @@ class Task:
         check_rows(target, len(y))
         if self.kind == "classification":
             y = y.long()  # class indices of any integer dtype (int32 from numpy, uint8): cross-entropy takes int64
+            if not self.trains and not labels.are_indices(target, y):  # several targets per sample: no loss reads
+                return no_loss(out, y)
             return labels.dense_cross_entropy(target.float(), y)
         return nn.functional.mse_loss(target.float(), y.float())
 
@@ -181,7 +184,7 @@ def scoring_task(data: DatasetSplits, loss: str | None, logits_output: str | int
     targets beside train.loss). With train.loss, :func:`no_loss` takes its place: the checks stay those of a user
     loss (labels of its own kind are not refused), and the loss itself is never called."""
     if loss is None:
-        return task_for(data, None, logits_output)
+        return replace(task_for(data, None, logits_output), trains=False)
     warn_label_inputs(data)
     return Task("classification", logits_output, no_loss) if data.classification else None
 
@@ -393,6 +396,8 @@ def check_positions(
             "dataset's, or name the logits output in signature.logits_output"
         )
         hint = f"{DECODER_FIX}; or {hint}" if lacks_decoder and positions != tuple(y.shape) else hint
+        if target.ndim <= y.ndim and len(target) == len(y):  # a row of logits per sample: labels may be targets
+            hint += "; labels of several targets per sample need train.loss to train on and validate.metric to score"
     raise ModelError(
         f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for labels of shape "
         f"{tuple(y.shape)} ({num_classes} classes): a label per position needs logits shaped like the labels plus "
@@ -459,6 +464,26 @@ def _per_row_labels(target: torch.Tensor, y: torch.Tensor, model_ref: str) -> Mo
         f"position, but the labels have shape {tuple(y.shape)}, one per row",
         hint=f"give labels per position [N, {positions}] ({labels.IGNORE_LABEL} where a position has no label), "
         "or make the model pool to one row of class logits per sample [N, classes]",
+    )
+
+
+def _several_targets(target: torch.Tensor, y: torch.Tensor, model_ref: str) -> ModelError:
+    """The error for integer labels of several columns that follow no position axis of the model (a multi-task
+    model's ``[N, 2]``, a topic and a sentiment class per sample) beside one row of class logits per sample: the
+    built-in cross-entropy reads one class per row, so only a loss of the user's can train on them (a model not
+    trained here needs none: :func:`check_task` raises this only where the task trains)."""
+    if tuple(y.shape[1:]) == (1,):
+        return ModelError(
+            f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for labels of shape "
+            f"{tuple(y.shape)}: the built-in cross-entropy takes one class per sample, [N], not a column [N, 1]",
+            hint="give the labels as [N] (y.view(-1)) from the data function",
+        )
+    return ModelError(
+        f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for labels of shape "
+        f"{tuple(y.shape)}: {y.shape[1]} targets per sample (their axis 1 follows no position axis of the model), "
+        "and the built-in cross-entropy takes one class per sample",
+        hint="set train.loss to a function (outputs, targets) -> scalar that reads each target against its own output "
+        "(targets[:, 0], targets[:, 1]) and validate.metric to score them, or give one label per sample [N]",
     )
 
 
@@ -551,10 +576,18 @@ def _say_unscored(task: Task, target: torch.Tensor, y: torch.Tensor) -> None:
 
 
 def check_task(
-    task: Task, out: Any, y: torch.Tensor, num_classes: int, model_ref: str, lacks_decoder: bool = False
+    task: Task,
+    out: Any,
+    y: torch.Tensor,
+    num_classes: int,
+    model_ref: str,
+    lacks_decoder: bool = False,
+    sizes: tuple[int, ...] = (),
 ) -> None:
     """The model's output on two samples fits the task: a clear error before training, not a traceback in it.
-    ``lacks_decoder``: the model takes decoder inputs the data does not give (:func:`check_positions`)."""
+    ``lacks_decoder``: the model takes decoder inputs the data does not give (:func:`check_positions`); ``sizes``:
+    the lengths of the token inputs (integer ``[N, T]``), which labels per token follow
+    (:func:`~kiln.core.labels.follows_positions`)."""
     if task.user_loss is not None:
         doing = "trying train.loss on the model's outputs for two samples"
         with loss_errors(task, doing, _loss_fix(task, out)):
@@ -577,7 +610,7 @@ def check_task(
         return
     target = task.target(out)
     check_rows(target, len(y))
-    if task.kind == "classification" and labels.per_position(y):
+    if task.kind == "classification" and labels.follows_positions(y, target, flatten_outputs(out).values(), sizes):
         check_positions(target, y, num_classes, model_ref, lacks_decoder)
     elif task.kind == "classification":
         if target.ndim > 2 and y.ndim == 1:
@@ -588,6 +621,8 @@ def check_task(
                 f"of 2, but the dataset has {num_classes} classes",
                 hint=_class_count_hint(target, num_classes),
             )
+        if labels.per_position(y) and task.trains:
+            raise _several_targets(target, y, model_ref)
     elif tuple(target.shape) != tuple(y.shape):
         # float labels of a classifier (the data declares classes, the output has a row of scores per label)
         classes = num_classes > 0 and target.ndim == y.ndim + 1 and tuple(target.shape[:-1]) == tuple(y.shape)

@@ -302,3 +302,36 @@ def test_a_loss_is_named_like_hugging_faces_model_output_loss(name: str, loss: b
     from kiln.core.labels import is_loss_name
 
     assert is_loss_name(name) is loss
+
+
+class _Tagger(torch.nn.Module):
+    """Token ids [N, T] -> per-token class logits [N, T, C], pooled class logits [N, C] and hidden states [N, T, H]:
+    the outputs the position test reads, of a tagger or of a multi-task text model."""
+
+    def __init__(self, classes: int = 5, width: int = 8) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(20, width), torch.nn.Linear(width, classes)
+
+    def forward(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.emb(tokens)
+        return {"tags": self.head(h), "pooled": self.head(h.mean(1)), "hidden": h}
+
+
+def test_labels_whose_axis_1_follows_no_position_axis_are_targets_per_sample() -> None:
+    """A multi-task model's integer labels [N, 2] (a topic and a sentiment class per sample) beside pooled logits
+    [N, 5] and hidden states [N, 16, 8] of inputs 16 long: no position axis is 2 long, so they are two targets per
+    sample; labels [N, 16] follow the tokens' axis, by the hidden states, the input's size or per-token logits."""
+    from kiln.core.labels import follows_positions
+
+    with torch.no_grad():
+        out = _Tagger()(torch.randint(0, 20, (3, 16)))
+    outputs = list(out.values())
+    per_sample, per_token = torch.randint(0, 3, (3, 2)), torch.randint(0, 5, (3, 16))
+    assert not follows_positions(per_sample, out["pooled"], outputs, [16])
+    assert follows_positions(per_token, out["pooled"], outputs)  # the hidden states have the tokens' axis
+    assert follows_positions(per_token, out["pooled"], sizes=[16])  # the inputs' dynamic axis is 16 long
+    assert follows_positions(per_token, out["tags"]) and follows_positions(per_token, out["tags"].flatten(0, 1))
+    assert follows_positions(per_sample, torch.zeros(3, 4, 5))  # class logits per position, of another length
+    pixels = torch.zeros(3, 8, 8, dtype=torch.long)
+    assert follows_positions(pixels, torch.zeros(3, 5, 8, 8)) and follows_positions(pixels)  # a class per pixel
+    assert not follows_positions(torch.zeros(3, 2), out["pooled"], outputs, [2])  # float targets: never
