@@ -570,7 +570,7 @@ def _why_float(model: onnx.ModelProto, exclude: set[str], ops: list[str]) -> str
     weighted = [n for n in layers if len(n.input) > 1 and n.input[1] in stored]
     if not weighted:
         producer = {o: n for n in model.graph.node for o in n.output}
-        folded = [n for n in layers if len(n.input) > 1 and _folds_to_weight(n.input[1], producer, stored)]
+        folded = [n for n in layers if len(n.input) > 1 and folds_to_weight(n.input[1], producer, stored)]
         if folded:
             return (
                 f"none of its {len(layers)} MatMuls takes a stored weight ({len(folded)} reach theirs through other "
@@ -594,7 +594,7 @@ def _why_float(model: onnx.ModelProto, exclude: set[str], ops: list[str]) -> str
 FLOAT_COMPUTE = {"Conv", "ConvTranspose", "GRU", "RNN", "Einsum", "DFT", "STFT", "Attention"}
 
 
-def _folds_to_weight(name: str, producer: dict[str, onnx.NodeProto], stored: set[str]) -> bool:
+def folds_to_weight(name: str, producer: dict[str, onnx.NodeProto], stored: set[str]) -> bool:
     """Whether ``name`` is computed from ``stored`` weights and constants alone (a Transpose of a weight; ``producer``:
     value -> the node writing it): constant folding makes it a stored weight."""
     constant = stored

@@ -169,7 +169,8 @@ def random_inputs(
     no range for a uint8 input (it indexes no table: an image's pixels, as :func:`kiln.core.onnx_io.index_ranges`
     tells), over 0..255, since at 0 and 1 alone an image is black and its outputs barely vary between samples;
     other integers in [0, ``int_high``] (1 by default, so any embedding accepts them as ids, uint8 ones too where
-    nothing says they index none); booleans at random, floats standard normal. A fixed axis keeps its size."""
+    nothing says they index none); booleans at random, each row of their last axis holding both values
+    (:func:`booleans`); floats standard normal. A fixed axis keeps its size."""
     check_batch_fits(specs, batch, hint=f"{BATCH_HINT}, or {hint}")
     rng = np.random.default_rng(seed)
     feed: dict[str, np.ndarray] = {}
@@ -177,7 +178,7 @@ def random_inputs(
         shape = [_size(d, i, batch, dynamic, spec, hint) for i, d in enumerate(spec.shape)]
         dtype = np.dtype(spec.dtype)
         if dtype == np.bool_:
-            feed[spec.name] = rng.random(shape) < 0.5
+            feed[spec.name] = booleans(rng, shape)
         elif dtype.kind in "iu":
             pixels = int_ranges is not None and dtype == np.uint8
             bounds = (int_ranges or {}).get(spec.name, [0, 255 if pixels else int_high])
@@ -185,6 +186,21 @@ def random_inputs(
         else:
             feed[spec.name] = rng.standard_normal(shape).astype(dtype)
     return feed
+
+
+def booleans(rng: np.random.Generator, shape: list[int]) -> np.ndarray:
+    """Random booleans of ``shape`` where each row of the last axis (at least two wide, beside a batch axis) holds
+    both values, and so does each cut of it to its first or last positions (two or more): a boolean input is mostly
+    a mask over positions, and a row of one value masks all of them under either convention (True = padding as
+    ``key_padding_mask``, True = attend), so attention over it is NaN and every check of the model's outputs fails
+    on inputs no real sample has. The cuts are those the checks make of inputs drawn at the largest size of an
+    axis (:func:`kiln.core.shapes.resize`). So the second position is the first's opposite and the last the
+    second-to-last's; the draw stays fixed by the generator's seed."""
+    mask = rng.random(shape) < 0.5
+    if mask.ndim >= 2 and mask.shape[-1] >= 2:
+        mask[..., 1] = ~mask[..., 0]
+        mask[..., -1] = ~mask[..., -2]
+    return mask
 
 
 def integers(rng: np.random.Generator, bounds: IntRange, shape: list[int]) -> np.ndarray:

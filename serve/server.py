@@ -76,7 +76,7 @@ from kiln.serve.batching import buckets_for, padded_infer, request_fault, warm_b
 from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine, runnable
 from kiln.stages.package import INDEX as PACKAGE_INDEX
-from kiln.stages.package.triton import served_max_batch, write_python_model
+from kiln.stages.package.triton import served_max_batch, unbatchable_reason, write_python_model
 
 log = logging.getLogger("kiln.serve.server")
 INSTALL_HINT = 'pip install "kiln[serve]"'
@@ -754,6 +754,15 @@ def say_capped(served: list[ServedEngine], asked: int) -> None:
             )
 
 
+def say_unbatched(served: list[ServedEngine]) -> None:
+    """Warn once per engine that Triton serves unbatched (``max_batch_size: 0``, :func:`served_max_batch`), naming
+    why: each request then runs alone, whatever ``--max-batch`` asks, and nothing else tells a client so."""
+    for s in served:
+        why = unbatchable_reason(s.meta)
+        if why is not None:
+            log.warning("%s: served unbatched (each request runs alone, no dynamic batching): %s", s.model_name, why)
+
+
 def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_delay_us: int) -> None:
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
@@ -926,6 +935,8 @@ def serve(
             served = runnable_here(find_engines(path))
             if max_batch is not None:
                 say_capped(served, max_batch)
+            if max_batch != 0:
+                say_unbatched(served)
             stop.check()
             if not pytriton:
                 if gpus is None and all(s.meta.device == "cuda" for s in served):

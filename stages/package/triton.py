@@ -87,6 +87,25 @@ def _unbatchable(meta: EngineMetadata) -> str:
     return "a tensor without a dynamic first axis and an axis after it"
 
 
+def unbatchable_reason(meta: EngineMetadata) -> str | None:
+    """Why Triton may not batch requests to ``meta``'s engine (:func:`batchable`), for a server to say; None where
+    it may. Where the only cause is tensors of the batch axis alone (``[batch]``), they are named with what would
+    batch them: a ``[batch, 1]`` tensor, which Triton declares as dims ``[1]``."""
+    if batchable(meta):
+        return None
+    tensors = [("input", s) for s in meta.inputs] + [("output", s) for s in meta.outputs]
+    blocking = [(kind, s) for kind, s in tensors if not (len(s.shape) >= 2 and _dynamic(s.shape[0]))]
+    alone = [
+        f"{kind} '{s.name}' is [{s.shape[0]}]" for kind, s in blocking if len(s.shape) == 1 and _dynamic(s.shape[0])
+    ]
+    if meta.unbatched_outputs or len(first_axes(meta)) > 1 or len(alone) < len(blocking):
+        return _unbatchable(meta)
+    return (
+        f"{', '.join(alone)}, the batch axis alone, which Triton cannot declare; exported as [batch, 1] instead "
+        "(clients sending [batch, 1]), it would be batched"
+    )
+
+
 def served_max_batch(meta: EngineMetadata, requested: int) -> int:
     """``requested`` capped by what the engine takes and was validated for (0 = no batching): a server never forms
     a batch larger than validation compared with the reference."""

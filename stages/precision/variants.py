@@ -21,6 +21,7 @@ from kiln.calibration.quantize import (
     dynamic_nodes,
     excluded_nodes,
     first_last_compute,
+    folds_to_weight,
     ort_cpu_scheme,
     per_channel_graph,
     quantizable_op_types,
@@ -201,6 +202,7 @@ def _build_int8(
             dynamic_nodes(src.model, ccfg, src.flops) - set(base)
         )  # its LSTMs, where dynamic
         entry["ort_cpu"] = ort_cpu_graph(src, ort_out, ccfg, fallback, check, base, inherited, cpu_candidates)
+        _say_unfolded(src.model, ort_out, entry["ort_cpu"])
         entry["backend_paths"] = {"onnxruntime-cpu": f"{out.parent.name}/{ort_out.name}"}
     if ccfg.trt_table:
         table = write_trt_table(ranges.amax(), out.parent / "calibration.cache")
@@ -358,6 +360,33 @@ def ort_cpu_with_fallback(
         "vs_fp32": _vs_fp32(res),
         "fallback": _fallback_record(res),
     }
+
+
+def _say_unfolded(model: onnx.ModelProto, path: Path, ort: dict[str, Any]) -> None:
+    """Warn where ONNX Runtime CPU's dynamically quantized graph at ``path`` (``ort``: its record) left MatMul/Gemm
+    layers in float that reach their weights through other nodes (a Transpose of a stored weight, as an
+    un-optimized export has it): dynamic quantization takes stored weights only, so these stay float until
+    constant folding (``kiln optimize``) makes them stored, and the graph may fall short of the precision audit for
+    them. Layers the fallback kept in float are left out; where no layer was quantized, the quantizer said why
+    already (:func:`kiln.calibration.quantize.quantize_int8_dynamic`)."""
+    if ort.get("scheme") != "dynamic" or not ort.get("integer_matmuls"):
+        return
+    graph = onnx.load(str(path), load_external_data=False).graph
+    stored = {t.name for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    kept = set(ort.get("kept_fp32") or [])
+    layers = [n for n in graph.node if n.op_type in ("MatMul", "Gemm") and n.name not in kept and len(n.input) > 1]
+    left = [n.name for n in layers if n.input[1] not in stored and folds_to_weight(n.input[1], producer, stored)]
+    if left:
+        log.warning(
+            "%s: %d of its %d MatMul/Gemm layers left in float (%s) reach their weights through other nodes (a "
+            "Transpose of a stored weight, as an un-optimized export has it), which dynamic quantization does not "
+            "quantize: `kiln optimize` the graph first, which folds them into stored weights",
+            ORT_CPU,
+            len(left),
+            sum(n.op_type in ("MatMul", "Gemm") for n in model.graph.node),
+            ", ".join(left[:4]) + (", ..." if len(left) > 4 else ""),
+        )
 
 
 def build_ort_cpu_int8(src: Source, out: Path, ccfg: CalibrationConfig, keep_float: set[str]) -> dict[str, Any]:
