@@ -68,14 +68,15 @@ def follows_positions(
     are labels per position; labels ``[N, K]`` are where axis 1 follows a position axis of the model: the class
     logits ``logits`` have one more axis than the labels (their class axis, ``[N, T, C]``; a sequence's targets of
     another length too) or more rows (positions flattened, ``[N * T, C]``); or an output with more axes than the
-    labels has an axis ``K`` long after the batch (hidden states ``[N, T, H]`` beside pooled logits ``[N, C]``); or
-    a dynamic input axis is ``K`` long (``sizes``: the inputs' sizes besides the batch)."""
+    labels has an axis ``K`` long between the batch and its last axis (hidden states ``[N, T, H]`` beside pooled
+    logits ``[N, C]``; not a feature or class axis); or an input has an axis ``K`` long (``sizes``: the inputs'
+    sizes besides the batch)."""
     if not per_position(y):
         return False
     if y.ndim > 2 or logits is not None and (logits.ndim == y.ndim + 1 or len(logits) > len(y)):
         return True
     size = y.shape[1]
-    return size in set(sizes) or any(o.ndim > y.ndim and size in tuple(o.shape[1:]) for o in outputs)
+    return size in set(sizes) or any(o.ndim > y.ndim and size in tuple(o.shape[1:-1]) for o in outputs)
 
 
 def copied_input(inputs: Mapping[str, Any], y: Any) -> str | None:

@@ -188,8 +188,8 @@ def _expected_skip(skipped: list[str], precision: str, failures: list[str]) -> s
     if {_device(name, precision) for name in names} != {"cpu"}:  # a GPU has the kernels: a skip there is no norm
         return None
     return (
-        f"{precision} skipped on CPU, as expected: {', '.join(names)} would compute it in another precision "
-        f"(no {precision} kernels there); a GPU backend builds them"
+        f"{precision} skipped on CPU, as expected: no {precision} kernels there for {', '.join(names)}; a GPU "
+        "backend builds them"
     )
 
 

@@ -83,7 +83,8 @@ def gate_hint(failures: list[str], status: str) -> str:
     if all(f.startswith(REQUIRED) and NOT_BUILT in f for f in failures):  # no gate missed: none to relax
         return (
             "the result line says why none was built: a precision this device has no kernels for (FP16 on a CPU) is "
-            "built on a GPU (build.backends, each backend's devices), or take it out of precision.required"
+            "built on a GPU (build.backends, each backend's devices); a variant that missed its gates, by relaxing "
+            "validate.gates.per_precision only if its numbers are acceptable; or take it out of precision.required"
         )
     if all(f.startswith(REQUIRED) for f in failures):
         return (

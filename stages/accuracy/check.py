@@ -502,7 +502,7 @@ def labels_at_points(
     attention mask shows left padding) or repeated as the input is (:func:`kiln.core.shapes.resize`; padded with
     ``IGNORE_LABEL`` where the input is padded) (:func:`label_axes`). None at a shape they cannot follow,
     and where inputs on different axes tie, at a shape where those would give other labels."""
-    if labels is None or not follows_positions(labels, sizes=own_point(feed, axes).values()):
+    if labels is None or not follows_positions(labels, sizes=input_sizes(feed)):
         return [labels] * len(feeds)
     options = label_axes(labels, feed, axes, follows)
     left = left_padded(feed, axes)  # cut from the end where the input's rows are, as the input is
@@ -916,8 +916,8 @@ class Reference:
     def labelled(self, index: int, batch: int | None = None) -> np.ndarray | None:
         """Where feed ``index`` (``batch`` rows of it: :func:`sample_batch`) has per-position labels, the labelled
         positions, over which top-1 agreement is counted; None: every row and position counts."""
-        y, (point, _), out = self.point_labels[index], self.feeds[index], self.outputs[index]
-        if y is None or not follows_positions(y, out.get(self.logits or ""), out.values(), point.values()):
+        y, (_, feed), out = self.point_labels[index], self.feeds[index], self.outputs[index]
+        if y is None or not follows_positions(y, out.get(self.logits or ""), out.values(), input_sizes(feed)):
             return None
         return (y if batch is None else sample_batch(y, batch)) != IGNORE_LABEL
 
@@ -1056,7 +1056,7 @@ def label_positions(
     (an encoder-decoder whose source and target have one length), from the reference run on ``batch`` rows at each
     validated shape. Where that leaves the axis unknown, said: the labels are used only at the shapes where the
     tied inputs agree."""
-    if labels is None or logits is None or not follows_positions(labels, sizes=own_point(own, axes).values()):
+    if labels is None or logits is None or not follows_positions(labels, sizes=input_sizes(own)):
         return None
     follows = logits_positions(output_axes, logits, labels)
     if not follows and len(label_axes(labels, own, axes)) > 1:
@@ -1101,7 +1101,7 @@ def scoring_point(
     axes the class logits' positions lie on (:func:`labels_at_points`)."""
     if labels is None:
         return feeds, len(feeds) - 1
-    if not follows_positions(labels, sizes=own_point(own, axes).values()):
+    if not follows_positions(labels, sizes=input_sizes(own)):
         return own_scoring_point(own, feeds, axes, metric, len(feeds) - 1)
     fit = [i for i, y in enumerate(labels_at_points(labels, own, feeds, axes, follows)) if y is not None]
     if fit:
@@ -1162,6 +1162,13 @@ def with_own_point(own: Feed, feeds: Points, axes: Axes) -> tuple[Points, int] |
         return None
     at = next((i for i, (p, _) in enumerate(feeds[:-1]) if sum(p.values()) > sum(point.values())), len(feeds) - 1)
     return [*feeds[:at], (point, own), *feeds[at:]], at
+
+
+def input_sizes(feed: Feed) -> set[int]:
+    """Every size of the inputs of ``feed`` past their batch axis: labels ``[N, K]`` with ``K`` among them may follow
+    an input's positions (:func:`~kiln.core.labels.follows_positions`), whatever the axis is named (an encoder's and
+    a decoder's lengths under one name too)."""
+    return {int(d) for v in feed.values() if np.ndim(v) >= 2 for d in np.shape(v)[1:]}
 
 
 def own_point(own: Feed, axes: Axes) -> dict[str, int]:

@@ -334,7 +334,8 @@ def mark_too_little(
         if found := short(f"{precision} ({backend} graph)", root / path, cpu["kept_fp32"]):
             entry["ort_cpu_unmade"] = found[0]
             entry["backend_paths"].pop(backend)
-            (root / path).unlink(missing_ok=True)  # no engine reads it, and nothing lists it: not left behind
+            for file in (root / path, root / f"{path}.data"):  # no engine reads it, nothing lists it: not left behind
+                file.unlink(missing_ok=True)
     if not entry.get("unmade"):
         label = f"{precision} (Q/DQ graph)" if entry.get("backend_paths") else precision
         if found := short(label, root / entry["path"], entry["kept_fp32"]):

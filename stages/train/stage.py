@@ -354,7 +354,7 @@ def check_model_fits_data(
     _refuse_random_in_eval(model, x)
     y = data.train_y if data.train_y is not None else data.val_y
     if task is not None and y is not None:
-        lengths = tuple(t.shape[1] for t in tensors(x) if t.ndim == 2 and not t.is_floating_point())  # token ids
+        lengths = tuple({d for t in tensors(x) if t.ndim >= 2 for d in t.shape[1:]})  # what labels may follow
         check_task(task, out, y[:probe_rows], data.num_classes, model_ref, _lacks_decoder_inputs(model, x), lengths)
 
 

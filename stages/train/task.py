@@ -586,7 +586,7 @@ def check_task(
 ) -> None:
     """The model's output on two samples fits the task: a clear error before training, not a traceback in it.
     ``lacks_decoder``: the model takes decoder inputs the data does not give (:func:`check_positions`); ``sizes``:
-    the lengths of the token inputs (integer ``[N, T]``), which labels per token follow
+    the inputs' sizes past their batch axis, which labels per position follow
     (:func:`~kiln.core.labels.follows_positions`)."""
     if task.user_loss is not None:
         doing = "trying train.loss on the model's outputs for two samples"
@@ -612,6 +612,9 @@ def check_task(
     check_rows(target, len(y))
     if task.kind == "classification" and labels.follows_positions(y, target, flatten_outputs(out).values(), sizes):
         check_positions(target, y, num_classes, model_ref, lacks_decoder)
+    elif task.kind == "classification" and labels.per_position(y):  # targets per sample: no class count to check
+        if task.trains:
+            raise _several_targets(target, y, model_ref)
     elif task.kind == "classification":
         if target.ndim > 2 and y.ndim == 1:
             raise _per_row_labels(target, y, model_ref)
@@ -621,8 +624,6 @@ def check_task(
                 f"of 2, but the dataset has {num_classes} classes",
                 hint=_class_count_hint(target, num_classes),
             )
-        if labels.per_position(y) and task.trains:
-            raise _several_targets(target, y, model_ref)
     elif tuple(target.shape) != tuple(y.shape):
         # float labels of a classifier (the data declares classes, the output has a row of scores per label)
         classes = num_classes > 0 and target.ndim == y.ndim + 1 and tuple(target.shape[:-1]) == tuple(y.shape)

@@ -112,3 +112,36 @@ def test_token_labels_beside_a_model_of_pooled_logits_alone_follow_the_tokens_le
     data = DatasetSplits(data.train_x, tags[:32], data.val_x, tags[32:], num_classes=5)
     with pytest.raises(ModelError, match="a label per position needs logits"):
         check_model_fits_data(Pooled(), data, "mt:pooled", Task("classification"), None)
+
+
+def test_a_head_narrower_than_the_widest_target_column_is_no_class_count_error() -> None:
+    """The sentiment head has 3 classes, the topic column 5 (the dataset's num_classes): targets per sample, so no
+    class count is checked against the head; a model not trained here is not stopped, training names train.loss."""
+    from kiln.stages.train.task import scoring_task
+
+    data = load()
+    task = scoring_task(data, None, "heads.sentiment")
+    assert task is not None
+    check_model_fits_data(build(), data, "mt:build", task, "heads.sentiment")
+    with pytest.raises(ModelError, match="2 targets per sample"):
+        check_model_fits_data(build(), data, "mt:build", task_for(data, None, "heads.sentiment"), "heads.sentiment")
+
+
+class Frames(nn.Module):
+    """Float frames [N, T, F] pooled to one row of class logits: no output keeps the frames' axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.mean(1))
+
+
+def test_labels_per_frame_of_float_inputs_stay_labels_per_position() -> None:
+    """Labels [N, T] as long as float frames' axis: labels per frame the pooled model gives no logits for."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 50, 16, generator=g), torch.randint(0, 5, (40, 50), generator=g)
+    data = DatasetSplits(x[:32], y[:32], x[32:], y[32:], num_classes=5)
+    with pytest.raises(ModelError, match="a label per position needs logits"):
+        check_model_fits_data(Frames(), data, "frames:build", Task("classification"), None)
