@@ -543,7 +543,7 @@ class EngineValidation(Part):
     agreement: Literal["top1", "decision"] = "top1"
     accuracy: float | None = None
     metric: float | None = None  # validate.metric at the data's own shape (the baseline's metric_name)
-    outputs: dict[str, dict[str, float | None]] = Field(
+    outputs: dict[str, dict[str, float | int | None]] = Field(
         default_factory=dict
     )  # output -> OutputStats, worst over shapes: every output, gated or not
     shapes: list[dict[str, int]] = Field(default_factory=list)

@@ -279,3 +279,18 @@ def test_every_axis_outside_its_validated_sizes_is_named() -> None:
         "input 'input_ids' axis 1 (src) is 5: engine e was built for src from 6 to 12; "
         "input 'decoder_input_ids' axis 1 (tgt) is 25: engine e was built for tgt from 6 to 13"
     )
+
+
+def test_a_row_index_among_an_outputs_statistics_stays_an_integer_in_json() -> None:
+    """worst_sample is a row of the batch axis: 15, not 15.0, in validation.json and kiln validate's JSON."""
+    import json
+
+    from kiln.core.records import EngineValidation
+
+    e = EngineValidation(
+        name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated",
+        outputs={"logits": {"worst_sample": 15, "sample_cosine": 0.5}},
+    )  # fmt: skip
+    said = json.loads(e.model_dump_json())["outputs"]["logits"]
+    assert said["worst_sample"] == 15 and isinstance(said["worst_sample"], int)
+    assert isinstance(said["sample_cosine"], float)
