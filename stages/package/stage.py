@@ -16,7 +16,6 @@ import shutil
 from typing import Any
 
 from kiln.core.errors import GateFailure
-from kiln.core.outputs import logits_name
 from kiln.core.records import EngineMetadata, ValidationResult
 from kiln.core.stage import StageContext
 from kiln.stages.package import INDEX
@@ -55,9 +54,12 @@ def _with_logits(meta: EngineMetadata, setting: str | int | None, held: bool) ->
     """``meta`` naming the output the run held to top-1 agreement (``signature.logits_output``, by name), which
     ``kiln validate ENGINE`` then holds to it too; unchanged where the run named none, or where validation did not
     hold it (``held`` false: a regression head's values, which no top-1 agreement guards)."""
+    names = [o.name for o in meta.outputs]
     if setting is None or not held:
         return meta
-    return meta.model_copy(update={"logits_output": logits_name([o.name for o in meta.outputs], setting)})
+    # validation checked the setting against the outputs; read here without kiln.core.outputs, which loads torch
+    name = str(setting) if str(setting) in names else names[setting] if isinstance(setting, int) else None
+    return meta.model_copy(update={"logits_output": name})
 
 
 def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
