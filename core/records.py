@@ -564,6 +564,19 @@ class EngineValidation(Part):
     gates: dict[str, float | list[str] | None] = Field(default_factory=dict)  # the thresholds it was held to, and
     # gated_outputs where set (report shows them)
 
+    @classmethod
+    def of(cls, meta: EngineMetadata, status: Literal["validated", "not-runnable"]) -> EngineValidation:
+        """The entry of the engine ``meta`` describes, before any comparison: its name, backend, precision, device,
+        and whether its model runs under torch.autocast (its builder's settings say)."""
+        return cls(
+            name=meta.name,
+            backend=meta.backend,
+            precision=meta.precision,
+            device=meta.device,
+            status=status,
+            autocast=bool(meta.builder_settings.get("autocast")),
+        )
+
 
 NONE_VALIDATED = "no engine could be validated on this machine"  # a failure no gate threshold changes
 

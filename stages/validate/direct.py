@@ -150,14 +150,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     # No labels: accuracy is agreement with the reference, already gated. Every output is compared.
     setting = _logits_setting(cfg, meta, list(ref))
     logits = direct_top1(list(ref), setting)
-    entry = EngineValidation(
-        name=meta.name,
-        backend=meta.backend,
-        precision=meta.precision,
-        device=meta.device,
-        status="validated",
-        autocast=bool(meta.builder_settings.get("autocast")),
-    )
+    entry = EngineValidation.of(meta, "validated")
     axes, out_axes = graph_axes(meta.inputs), graph_axes(meta.outputs)
     _say_padding_ties(feed, ref, axes, out_axes)
     unpadded_ref, unpadded_got = without_padding(feed, ref, axes, out_axes), without_padding(feed, got, axes, out_axes)

@@ -160,14 +160,7 @@ def check_engine(engine_dir: Path, ref: Reference, cfg: ValidateConfig, ctx: Sta
     entry's headline over the outputs its gates hold), and warm it up for timing; the runner stays active until
     :func:`finish_engine`."""
     meta = read_metadata(engine_dir)
-    entry = EngineValidation(
-        name=meta.name,
-        backend=meta.backend,
-        precision=meta.precision,
-        device=meta.device,
-        status="not-runnable",
-        autocast=bool(meta.builder_settings.get("autocast")),
-    )
+    entry = EngineValidation.of(meta, "not-runnable")
     ok, why = runnable(meta)
     if not ok:
         entry.reason = why

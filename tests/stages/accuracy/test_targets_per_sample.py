@@ -8,31 +8,15 @@ import logging
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from kiln.core.data import DatasetSplits, as_feed
 from kiln.core.errors import ModelError
 from kiln.core.outputs import flatten_outputs
 from kiln.stages.accuracy.check import Reference, held_out, held_out_reference
 from kiln.stages.accuracy.config import CheckConfig
+from tests.stages.train.test_train_targets_per_sample import MultiTask
 
 AXES = {"tokens": {1: "seq"}, "padding_mask": {1: "seq"}}
-
-
-class MultiTask(nn.Module):
-    """Tokens [N, T] and a padding mask -> {"heads": {"topic": [N, 5], "sentiment": [N, 3]}, "aux": [pooled [N, 8],
-    token states [N, T, 8]]}."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb, self.topic, self.sentiment = nn.Embedding(20, 8), nn.Linear(8, 5), nn.Linear(8, 3)
-
-    def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor) -> dict:
-        h = torch.tanh(self.emb(tokens))
-        keep = (~padding_mask).unsqueeze(-1).to(h.dtype)
-        pooled = (h * keep).sum(1) / keep.sum(1).clamp(min=1.0)
-        return {"heads": {"topic": self.topic(pooled), "sentiment": self.sentiment(pooled)}, "aux": [pooled, h]}
 
 
 def both_heads(outputs: dict[str, np.ndarray], labels: np.ndarray) -> float:

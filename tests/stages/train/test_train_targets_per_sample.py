@@ -27,6 +27,7 @@ class MultiTask(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        torch.manual_seed(0)
         self.emb, self.topic, self.sentiment = nn.Embedding(20, 8), nn.Linear(8, 5), nn.Linear(8, 3)
 
     def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor) -> dict:
