@@ -472,7 +472,7 @@ def _parity(
 ) -> str | None:
     """None when both graphs agree on random inputs; else a short description of the difference."""
     try:
-        a, b = (ort_session(m) for m in (ref, new))
+        a, b = (ort_session(m, error=BuildError) for m in (ref, new))
     except BuildError as exc:  # e.g. a fused op with no CPU kernel: cannot check, so do not fuse
         return f"cannot run on CPU to check ({first_line(exc, 120)})"
     specs, want = io_specs(ref)[0], None

@@ -317,6 +317,27 @@ def test_cuda_runner_matches_cpu(zoo, tmp_path: Path, cuda_graph: bool) -> None:
         assert len(times) == 5 and all(t > 0 for t in times)
 
 
+def test_a_fused_op_without_a_cpu_kernel_keeps_the_unfused_graph() -> None:
+    """ORT's transformer fusion can make ops with no CPU kernel (QOrderedGelu, on a quantized DeBERTa): the fusion
+    check cannot run the fused graph, so it says why and the build keeps the unfused one, rather than failing."""
+    from kiln.stages.engines.onnxruntime.build import _parity
+
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    plain = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    scale = onnx.numpy_helper.from_array(np.array(0.1, np.float32), "s")
+    fused = onnx.helper.make_graph(
+        [onnx.helper.make_node("QOrderedGelu", ["x", "s", "s"], ["y"], domain="com.microsoft")],
+        "g",
+        [x],
+        [y],
+        [scale],
+    )
+    opsets = [onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("com.microsoft", 1)]
+    ref, new = (onnx.helper.make_model(g, opset_imports=opsets) for g in (plain, fused))
+    assert "cannot run on CPU to check" in _parity(ref, new)
+
+
 def test_the_fusion_check_runs_at_a_size_the_model_takes() -> None:
     """A dynamic time axis under a kernel-10 convolution: at 2 samples ONNX Runtime raised out of the build (a
     traceback through `kiln run`, seen on a transformers Wav2Vec2); now the check says it could not run, and at the
