@@ -86,15 +86,13 @@ def _resized_hint(inputs: str, own: dict[str, int], at: dict[str, int]) -> str:
 
 def _tie_hint(axes: Axes, largest: Feed) -> str:
     """The fix for a reference that refuses the validated shapes: ``axes`` (input -> {axis: name}) with the axes of
-    one size in ``largest`` named alike, as the ``--set`` of signature.dynamic_axes, where that ties any; else the
-    axes as they are named, to tie by hand, or sizes the graph takes."""
+    one size in ``largest`` named alike, as the ``--set`` of signature.dynamic_axes, where that ties any; else (the
+    axes already named alike, or none to tie) sizes the graph takes, saying those it was run at."""
     named = _tied_alike(axes, largest)
-    if named == {k: dict(v) for k, v in axes.items()}:
-        shown = _axes_text(named) if named else "none besides the batch"
-        return (
-            f"name alike in signature.dynamic_axes the axes the graph takes at one size only (validated as {shown}), "
-            "or give signature.shapes sizes the graph takes"
-        )
+    if named == {k: dict(v) for k, v in axes.items()}:  # naming alike ties nothing more: the sizes are the matter
+        sizes = ", ".join(f"{k}={v}" for k, v in own_point(largest, axes).items())
+        at = f" (it was run at {sizes}; a position table shorter than that refuses it)" if sizes else ""
+        return f"give signature.shapes sizes the graph takes{at}"
     return (
         f"name alike the axes the graph takes at one size only: --set 'signature.dynamic_axes={_axes_text(named)}' "
         "(or the same under signature: in the run's config), or give signature.shapes sizes the graph takes"
