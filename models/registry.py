@@ -128,7 +128,10 @@ def resolve_callable(ref: str, table: dict[str, str], kind: str) -> Callable[...
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        hint = "run kiln from the folder holding the module, put it next to the config, or add its folder to PYTHONPATH"
+        hint = (
+            "run kiln from the folder holding the module, or put it next to the config (the kiln command imports "
+            "from both); from Python (load_config, run_pipeline), add its folder to sys.path or PYTHONPATH"
+        )
         raise ConfigError(f"cannot import module '{module_name}' for {kind} '{ref}': {exc}", hint=hint) from None
     except Exception as exc:  # the user's module itself fails (SyntaxError, an exception at import time)
         raise ConfigError(

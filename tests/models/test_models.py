@@ -50,8 +50,9 @@ def test_import_path_and_errors() -> None:
     assert resolve_callable("kiln.models.cnn:small_cnn", MODELS, "model") is resolve_callable("cnn", MODELS, "model")
     with pytest.raises(ConfigError, match="(?s)unknown model 'nope'.*cnn"):
         resolve_callable("nope", MODELS, "model")
-    with pytest.raises(ConfigError, match="cannot import module"):
+    with pytest.raises(ConfigError, match="cannot import module") as err:
         resolve_callable("no_such_pkg.x:f", MODELS, "model")
+    assert "from Python (load_config, run_pipeline), add its folder to sys.path" in err.value.hint  # no config dir
     with pytest.raises(ConfigError, match="rejected its params"):
         build_model("cnn", {"wdith": 3})
     with pytest.raises(ConfigError, match="rejected its params") as err:  # a factory whose parameters are named
