@@ -38,6 +38,9 @@ from kiln.core.text import short_reason
 from kiln.stages.optimize.config import OptimizeConfig
 
 log = logging.getLogger("kiln.optimize")
+# the size of a dynamic axis the data gave none for, where the model takes it: long enough to reach what a length of
+# 2 or 3 does not (relative-position buckets, a sliding window), small enough to cost nothing
+UNSEEN_SIZE = 16
 _CHECK_LIMIT = 1_800_000_000  # bytes: the checker needs the model in memory, as one protobuf (capped at 2 GB)
 
 
@@ -165,13 +168,9 @@ class Verifier:
         """``data_sizes``: the sizes the export saw on each dynamic axis besides batch (``dynamic_sizes.json``);
         ``int_ranges``: the values it saw in each integer input (``int_ranges.json``)."""
         self.cfg = cfg
-        self.feeds = [
-            random_inputs(
-                model, cfg, dynamic=axis_sizes(model, cfg.verify_batch, data_sizes, True), int_ranges=int_ranges
-            )
-        ]
         sess = _session(model)  # one session for both references
-        self.references = [_run(sess, self.feeds[0])]  # must run: else the caller reports why
+        first, reference = self._first_feed(model, sess, data_sizes, int_ranges)
+        self.feeds, self.references = [first], [reference]
         # batch 1 as well, where the model takes it (a dynamic axis that must stay >= 2 is not a batch), with every
         # other dynamic axis (a sequence) at a second size too: a length baked in by mistake shows at one of them
         second = self._second_feed(model, sess, data_sizes, int_ranges)
@@ -185,6 +184,28 @@ class Verifier:
         self.random = bool(random_nodes(model))
         if self.random:
             log.warning("the model has random ops: the safety net can compare only output shapes and types")
+
+    def _first_feed(
+        self, model: onnx.ModelProto, sess: Any, data_sizes: DataSizes | None, int_ranges: IntRanges | None
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """A ``verify_batch`` feed and its outputs: dynamic axes the data gave no size for at :data:`UNSEEN_SIZE`
+        where the model runs it (a sequence of 2 leaves untouched what only longer ones reach: a relative-position
+        bucket past the first few, a window), else at ``verify_batch``. The last try must run: else the caller
+        reports why."""
+        cfg = self.cfg
+        tries = [
+            axis_sizes(model, size, data_sizes, True) for size in (max(UNSEEN_SIZE, cfg.verify_batch), cfg.verify_batch)
+        ]
+        if tries[0] == tries[1]:
+            tries = tries[1:]
+        for sizes in tries[:-1]:
+            feed = random_inputs(model, cfg, dynamic=sizes, int_ranges=int_ranges)
+            try:
+                return feed, _run(sess, feed)
+            except Exception:  # ORT's own error type: a size the model does not take (a position table of 8)
+                pass
+        feed = random_inputs(model, cfg, dynamic=tries[-1], int_ranges=int_ranges)
+        return feed, _run(sess, feed)
 
     def _second_feed(
         self, model: onnx.ModelProto, sess: Any, data_sizes: DataSizes | None, int_ranges: IntRanges | None

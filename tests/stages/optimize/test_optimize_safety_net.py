@@ -320,13 +320,13 @@ def test_dynamic_spatial_axes_are_not_forced_to_one():
 
 
 def test_dynamic_axes_take_the_sizes_the_data_has():
-    """A 1-D convolution over audio (kernel 10) cannot run at verify_batch samples: with the sizes the export saw
+    """A 1-D convolution over audio (kernel 20) cannot run at verify_batch samples, nor at 16: with the sizes the export saw
     in the data (export/dynamic_sizes.json) the net runs the model at the largest of them, and the smallest."""
     m = make_model(
         [N("Conv", ["x", "w"], ["c"]), N("Identity", ["c"], ["y"])],
         [("x", ["N", 1, "T"], FLOAT)],
         ["y"],
-        {"w": f32(4, 1, 10)},
+        {"w": f32(4, 1, 20)},
     )
     with pytest.raises(ModelError, match="safety net cannot run"):
         optimize_model(m, OptimizeConfig(passes=["eliminate_identity"]))
@@ -337,12 +337,12 @@ def test_dynamic_axes_take_the_sizes_the_data_has():
 
 
 def _audio() -> onnx.ModelProto:
-    """A 1-D convolution over audio (kernel 10) on a dynamic ``samples`` axis, and no integer input."""
+    """A 1-D convolution over audio (kernel 20, past every size tried without data) on a dynamic ``samples`` axis, and no integer input."""
     return make_model(
         [N("Conv", ["x", "w"], ["c"]), N("Identity", ["c"], ["y"])],
         [("x", ["N", 1, "samples"], FLOAT)],
         ["y"],
-        {"w": f32(4, 1, 10)},
+        {"w": f32(4, 1, 20)},
     )
 
 
@@ -463,3 +463,27 @@ def test_a_dropout_in_training_mode_is_a_random_op(training: bool, random: bool)
         {"ratio": np.array(0.5, dtype=np.float32), "mode": np.array(training)},
     )
     assert Verifier(m, OptimizeConfig()).random is random
+
+
+def _seq_model(table: int | None) -> onnx.ModelProto:
+    """x [batch, seq] plus a position term: none (any length runs), or the first seq entries of a table of
+    ``table`` positions, which refuses a longer sequence."""
+    x = [("x", ["batch", "seq"], FLOAT)]
+    if table is None:
+        return make_model([h.make_node("Relu", ["x"], ["y"])], x, ["y"], {})
+    nodes = [
+        h.make_node("Shape", ["x"], ["shape"]),
+        h.make_node("Gather", ["shape", "one"], ["seq"]),
+        h.make_node("Slice", ["table", "zero", "seq", "one"], ["positions"]),
+        h.make_node("Add", ["x", "positions"], ["y"]),
+    ]
+    inits = {"table": np.ones((1, table), np.float32), "zero": np.array([0]), "one": np.array([1])}
+    return make_model(nodes, x, ["y"], inits)
+
+
+def test_the_safety_net_checks_an_axis_without_data_at_a_longer_size_where_the_model_takes_it() -> None:
+    """With no data, a sequence of 2 leaves untouched what only longer ones reach (a relative-position bucket past
+    the first few): the first feed takes 16 where the model runs it, and the size of verify_batch where it does not
+    (a position table of 8)."""
+    assert Verifier(_seq_model(None), OptimizeConfig()).feeds[0]["x"].shape == (2, 16)
+    assert Verifier(_seq_model(8), OptimizeConfig()).feeds[0]["x"].shape == (2, 2)
