@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.ranges import Ranges, _ort_method, ranges_file
 from kiln.core.cpu_int8 import resolve_reduce_range
 from kiln.core.errors import ConfigError, ModelError
+from kiln.core.graphsurgeon import gs
 from kiln.core.onnx_io import rename_values, value_names
 from kiln.core.text import first_line
 
@@ -157,10 +158,23 @@ def quantizable_op_types(cfg: CalibrationConfig) -> list[str]:
 DYNAMIC_RECURRENT = ("LSTM",)
 
 
+# Op types of calibration.op_types that dynamic quantization takes too, where listed there: a Gather whose table is
+# a stored weight is stored in int8 and its looked-up rows dequantized (an embedding table a quarter of its size).
+DYNAMIC_LISTED = ("Gather",)
+
+
 def dynamic_op_types(cfg: CalibrationConfig) -> list[str]:
-    """The op types the dynamic ONNX Runtime CPU graph quantizes: MatMul (a Gemm too, rewritten into one) and the
-    recurrent ops of :data:`DYNAMIC_RECURRENT` that ``calibration.exclude_op_types`` does not keep in float."""
-    return ["MatMul", *(op for op in DYNAMIC_RECURRENT if op not in cfg.exclude_op_types)]
+    """The op types the dynamic ONNX Runtime CPU graph quantizes: MatMul (a Gemm too, rewritten into one), the ops
+    of :data:`DYNAMIC_LISTED` that ``calibration.op_types`` lists, and the recurrent ops of
+    :data:`DYNAMIC_RECURRENT` that ``calibration.exclude_op_types`` does not keep in float. Every other op type
+    listed stays float in this graph and is quantized in the Q/DQ graph only: convolutions are left to the static
+    scheme (:func:`ort_cpu_scheme` picks it where they hold the compute), and the rest compute nothing in int8 there."""
+    listed = quantizable_op_types(cfg)
+    return [
+        "MatMul",
+        *(op for op in DYNAMIC_LISTED if op in listed),
+        *(op for op in DYNAMIC_RECURRENT if op not in cfg.exclude_op_types),
+    ]
 
 
 def dynamic_nodes(model: onnx.ModelProto, cfg: CalibrationConfig, flops: Mapping[str, int] | None = None) -> set[str]:
@@ -168,7 +182,7 @@ def dynamic_nodes(model: onnx.ModelProto, cfg: CalibrationConfig, flops: Mapping
     its scheme is dynamic): candidates of that graph's precision fallback too, which may keep them in float."""
     if ort_cpu_scheme(model, cfg, flops) != "dynamic":
         return set()
-    extra = set(dynamic_op_types(cfg)) - {"MatMul"}
+    extra = set(dynamic_op_types(cfg)) - {"MatMul", *quantizable_op_types(cfg)}
     return {n.name for n in model.graph.node if n.op_type in extra}
 
 
@@ -279,13 +293,15 @@ def quantize_int8(
 
 
 def _float_outputs_at(out_path: Path, source: onnx.ModelProto) -> onnx.ModelProto:
-    """The quantized graph at ``out_path`` with :func:`serve_float_outputs` applied, saved back where it changed
-    (its external weights, not loaded, stay where they are)."""
+    """The quantized graph at ``out_path`` with :func:`serve_float_outputs` applied and its nodes in an order the
+    ONNX checker takes (:func:`sort_with_subgraphs`), saved back where it changed (its external weights, not
+    loaded, stay where they are)."""
     q = onnx.load(str(out_path), load_external_data=False)
     served = serve_float_outputs(q, source)
     if served:
-        onnx.save_model(q, str(out_path))
         log.info("quantized graph: outputs %s served in float (their readers in the graph stay quantized)", served)
+    if sort_with_subgraphs(q) or served:
+        onnx.save_model(q, str(out_path))
     return q
 
 
@@ -498,8 +514,9 @@ def quantize_int8_dynamic(
 ) -> dict[str, Any]:
     """ONNX Runtime CPU graph with int8 weights and run-time (per batch) uint8 activation scales: needs no
     calibration ranges. Float-kept nodes as in the Q/DQ graph; unlike it, MatMuls of two activations (q k^T,
-    attention x v) stay float too (ORT's MatMulConstBOnly default for dynamic quantization), and LSTMs are
-    quantized (:func:`dynamic_op_types`: ORT's DynamicQuantizeLSTM)."""
+    attention x v) stay float too (ORT's MatMulConstBOnly default for dynamic quantization), LSTMs are quantized
+    (ORT's DynamicQuantizeLSTM), and embedding tables (Gather) where ``calibration.op_types`` lists Gather
+    (:func:`dynamic_op_types`)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     model = onnx.load(str(model_path), load_external_data=False)
@@ -530,16 +547,61 @@ def quantize_int8_dynamic(
             "precision.variants (the other variants are still built)",
         ) from None
     q = onnx.load(str(out_path), load_external_data=False)
+    if sort_with_subgraphs(q):
+        onnx.save_model(q, str(out_path))
     integer = sum(n.op_type == "MatMulInteger" for n in q.graph.node)
     lstms = sum(n.op_type == "DynamicQuantizeLSTM" for n in q.graph.node)
+    tables = len(int8_tables(q))
     if integer + lstms == 0 and model_path not in _SAID_FLOAT:
         _SAID_FLOAT.add(model_path)  # once per graph: the precision fallback quantizes it again each round
         log.warning(
-            "int8 dynamic: no MatMul or LSTM was quantized: %s; the ONNX Runtime CPU INT8 graph is float",
+            "int8 dynamic: no MatMul or LSTM was quantized: %s; the ONNX Runtime CPU INT8 graph computes in float%s",
             _why_float(model, exclude, ops),
+            f" ({tables} embedding tables stored in int8)" if tables else "",
         )
-    log.info("int8 dynamic: %d integer MatMuls, %d integer LSTMs, %d nodes kept in float", integer, lstms, len(exclude))
-    return {"integer_matmuls": integer, "integer_lstms": lstms, "excluded": sorted(exclude), "reduce_range": seven_bits}
+    log.info(
+        "int8 dynamic: %d integer MatMuls, %d integer LSTMs, %d int8 embedding tables, %d nodes kept in float",
+        integer,
+        lstms,
+        tables,
+        len(exclude),
+    )
+    return {
+        "integer_matmuls": integer,
+        "integer_lstms": lstms,
+        "int8_tables": tables,
+        "excluded": sorted(exclude),
+        "reduce_range": seven_bits,
+    }
+
+
+def int8_tables(model: onnx.ModelProto) -> list[str]:
+    """The Gather nodes of ``model`` (an If, Loop or Scan body's too: an exported ``nn.EmbeddingBag`` looks its rows
+    up in a Loop) that read a stored 8-bit table: the embedding tables dynamic quantization stored in int8."""
+    eight_bit = {onnx.TensorProto.INT8, onnx.TensorProto.UINT8}
+    stored = {t.name for t in model.graph.initializer if t.data_type in eight_bit}
+    return [n.name for n in _nodes(model.graph) if n.op_type == "Gather" and n.input and n.input[0] in stored]
+
+
+def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of ``graph`` and of the bodies its nodes hold, at any depth."""
+    for node in graph.node:
+        yield node
+        for a in node.attribute:
+            yield from (n for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs) for n in _nodes(g))
+
+
+def sort_with_subgraphs(model: onnx.ModelProto) -> bool:
+    """Order the nodes of ``model`` topologically, counting the outer tensors an If, Loop or Scan body reads, where it
+    has such a node; True where it did. ORT's quantizer re-sorts the graphs it writes by the nodes' listed inputs
+    alone, so a body reading an outer tensor (an exported ``nn.EmbeddingBag``'s Loop over bags) may come before the
+    node writing it, which the ONNX checker refuses. onnx-graphsurgeon's sort counts them; the model's own fields
+    (opsets, metadata, functions) are kept as they are, only its graph is replaced."""
+    subgraph = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+    if not any(a.type in subgraph for n in model.graph.node for a in n.attribute):
+        return False
+    model.graph.CopyFrom(gs.export_onnx(gs.import_onnx(model).toposort()).graph)
+    return True
 
 
 _SAID_FLOAT: set[Path] = set()

@@ -234,8 +234,7 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
             raise DataContractError(
                 f"dataset '{ref}': the inputs of {split}_x have different row counts {counts} (axis 0 of every "
                 "input is the batch)",
-                hint="give every input one row per sample on axis 0; an input whose batch is another axis (an "
-                "RNN's state [layers, batch, hidden]) is given batch-first and forward() moves it (h0.transpose(0, 1))",
+                hint=_rows_hint(dict(zip(names, tensors(x)))),
             )
         if rows(x) == 0:
             raise DataContractError(f"dataset '{ref}': {split}_x holds no samples", hint="give both splits samples")
@@ -275,6 +274,40 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
                 f"{list(a.shape[1:])}{_unknown_axes_note(vx, dynamic or {})}",
                 hint=_shape_hint(vx, name, differ, dynamic or {}),
             )
+
+
+def _rows_hint(inputs: Mapping[str, torch.Tensor]) -> str:
+    """The fix for inputs of different row counts. Where two read as an ``nn.EmbeddingBag``'s flat ids and their
+    offsets (:func:`_flat_bags`), those have no batch axis at all: the padded form has one."""
+    bags = _flat_bags(inputs)
+    if bags is not None:
+        return (
+            f"{bags[0]} and {bags[1]} read as an nn.EmbeddingBag's flat ids and offsets, which have no batch axis: "
+            "give each sample's ids padded to one length instead, one row per sample ([N, L], "
+            "torch.nn.utils.rnn.pad_sequence(bags, batch_first=True, padding_value=PAD)), and build the "
+            "nn.EmbeddingBag with padding_idx=PAD, which leaves the pads out of each bag"
+        )
+    return (
+        "give every input one row per sample on axis 0; an input whose batch is another axis (an RNN's state "
+        "[layers, batch, hidden]) is given batch-first and forward() moves it (h0.transpose(0, 1))"
+    )
+
+
+def _flat_bags(inputs: Mapping[str, torch.Tensor]) -> tuple[str, str] | None:
+    """The names of the flat ids and the offsets of bags laid end to end, where two inputs look like them: 1-D
+    integers both, the offsets non-decreasing from 0 and pointing within the ids, which are of another length."""
+    flat = {name: t for name, t in inputs.items() if t.ndim == 1 and len(t) and _integers(t)}
+    for name, offsets in flat.items():
+        if int(offsets[0]) != 0 or not bool((offsets[1:] >= offsets[:-1]).all()):
+            continue
+        ids = next((n for n, t in flat.items() if len(t) != len(offsets) and len(t) >= int(offsets[-1])), None)
+        if ids is not None:
+            return ids, name
+    return None
+
+
+def _integers(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 def _labels_hint(y: Any) -> str:

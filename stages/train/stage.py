@@ -402,12 +402,16 @@ def _refuse_random_in_eval(model: nn.Module, x: Any) -> None:
         model.train()
 
 
+_LOOKUPS = (nn.functional.embedding, nn.functional.embedding_bag)  # both take (input, weight, ...)
+
+
 class EmbeddingLookups(TorchFunctionMode):
-    """Inside it, every ``torch.nn.functional.embedding`` call (an ``nn.Embedding``'s, a subclass's, a model's own)
-    is recorded with the index tensor it was given, that tensor's version counter then, and its table: what the
-    lookup indexes, after anything the model did to its ids first. ``before``: the version counter of each of the
-    ``probe`` inputs' tensors (:func:`kiln.core.data.tensors`) as the forward starts, against which an edit in place
-    (``ids.masked_fill_(ids >= vocab, unk)``) shows."""
+    """Inside it, every ``torch.nn.functional.embedding`` and ``embedding_bag`` call (an ``nn.Embedding``'s or
+    ``nn.EmbeddingBag``'s, a subclass's, a model's own) is recorded with the index tensor it was given, that tensor's
+    version counter then, and its table: what the lookup indexes, after anything the model did to its ids first (a
+    bag's offsets and per-sample weights do not change which rows its ids may name). ``before``: the version counter
+    of each of the ``probe`` inputs' tensors (:func:`kiln.core.data.tensors`) as the forward starts, against which an
+    edit in place (``ids.masked_fill_(ids >= vocab, unk)``) shows."""
 
     def __init__(self, probe: Any) -> None:
         super().__init__()
@@ -416,7 +420,7 @@ class EmbeddingLookups(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is nn.functional.embedding:
+        if func in _LOOKUPS:
             ids = args[0] if args else kwargs.get("input")
             table = args[1] if len(args) > 1 else kwargs.get("weight")
             if isinstance(ids, torch.Tensor) and isinstance(table, torch.Tensor):

@@ -491,3 +491,29 @@ def test_integer_labels_without_num_classes_name_group_ids_in_the_fix() -> None:
     with pytest.raises(DataContractError) as caught:
         _check_labels(torch.tensor([0, 1, 1, 2]), "train", 0, "emb:load")
     assert "group ids for a train.loss of yours" in (caught.value.hint or "")
+
+
+def _bags(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bags of ids laid end to end, nn.EmbeddingBag's flat form: the ids and where each bag starts."""
+    offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    return torch.arange(1, sum(lengths) + 1), offsets
+
+
+def test_an_embedding_bags_flat_ids_and_offsets_are_told_the_padded_form() -> None:
+    """Flat ids [total] beside offsets [N] have no batch axis: the fix names them and the padded [N, L] form with
+    padding_idx, not an RNN state's batch axis."""
+    ids, offsets = _bags([2, 3, 1, 4])
+    item = torch.tensor([3, 1, 2, 0])
+    data = DatasetSplits((ids, offsets, item), torch.zeros(4), (ids, offsets, item), torch.zeros(4))
+    with pytest.raises(DataContractError, match="different row counts") as e:
+        check_splits(data, "d")
+    assert e.value.hint.startswith("train_x[0] and train_x[1] read as an nn.EmbeddingBag's flat ids and offsets")
+    assert "padding_idx" in e.value.hint and "RNN" not in e.value.hint
+
+
+def test_inputs_of_other_row_counts_that_are_no_bags_keep_the_general_fix() -> None:
+    """1-D integers of another length are no bags where none of them starts at 0 and never decreases."""
+    x = (torch.tensor([5, 2, 7, 1, 9]), torch.tensor([4, 1, 3]))
+    with pytest.raises(DataContractError) as e:
+        check_splits(DatasetSplits(x, None, x, None), "d")
+    assert e.value.hint.startswith("give every input one row per sample on axis 0")

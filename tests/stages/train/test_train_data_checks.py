@@ -149,6 +149,22 @@ def test_a_token_id_past_the_embedding_in_the_probed_rows_is_named_not_the_forwa
         check_model_fits_data(Typed(), data, "typed:build", Task("classification"))
 
 
+@pytest.mark.parametrize(("bad", "side"), [(16, "past the 16 rows"), (-3, "below the first of the 16 rows")])
+def test_an_id_outside_an_embedding_bag_in_the_held_out_split_is_named_before_training(bad: int, side: str) -> None:
+    """An nn.EmbeddingBag's ids (padded [N, L] with padding_idx) are checked as an nn.Embedding's are: the data is
+    named, not the model's forward after a whole epoch."""
+    x = _ids(12)
+    val = x[8:].clone()
+    val[1, 0] = bad
+    data = DatasetSplits(x[:8], x[:8, 0] % 2, val, val[:, 0] % 2, num_classes=2, name="rec:load")
+    with pytest.raises(DataContractError) as e:
+        check_model_fits_data(Bagged(), data, "rec:build", Task("classification"))
+    assert e.value.message == (
+        f"dataset 'rec:load': val_x holds token id {bad} at row 1, {side} of the model's embedding 'bag' "
+        "(a table of 16 x 8: ids 0..15)"
+    )
+
+
 @pytest.mark.parametrize("model", [lambda: Hashed(), lambda: HashedInside(), lambda: UnknownInPlace()])
 def test_ids_the_model_maps_before_its_embedding_are_not_checked(model) -> None:
     """No false alarm where the lookup is not given the data's input as it is: mapped by the model's forward (into
@@ -169,6 +185,18 @@ class Pooled(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.emb(input_ids).mean(1))
+
+
+class Bagged(nn.Module):
+    """A history tower: [N, L] ids padded with 0 -> mean of their rows -> [N, 2]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bag, self.head = nn.EmbeddingBag(16, 8, mode="mean", padding_idx=0), nn.Linear(8, 2)
+
+    def forward(self, history: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bag(history))
 
 
 class Typed(Pooled):
