@@ -81,10 +81,10 @@ def test_onnx_graphsurgeons_warnings_go_to_stderr_not_stdout(cli: CliRunner, tmp
 
 @pytest.fixture
 def audio(tmp_path: Path) -> Path:
-    """x [N, 1, samples] -> Identity -> Conv (kernel 10) -> y: no input of 2 samples runs it."""
+    """x [N, 1, samples] -> Identity -> Conv (kernel 20) -> y: no input of 2 or 16 samples runs it."""
     nodes = [h.make_node("Identity", ["x"], ["a"]), h.make_node("Conv", ["a", "w"], ["y"])]
     path = tmp_path / "audio.onnx"
-    w = np.random.default_rng(0).standard_normal((4, 1, 10)).astype(np.float32)
+    w = np.random.default_rng(0).standard_normal((4, 1, 20)).astype(np.float32)
     onnx.save(make_model(nodes, [("x", ["N", 1, "samples"], FLOAT)], ["y"], {"w": w}), str(path))
     return path
 
