@@ -10,10 +10,11 @@ its keys are also taken where earlier versions of Kiln read them (``export.dynam
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import Field, PositiveInt, field_validator
 
+from kiln.core.errors import ConfigError
 from kiln.core.sections import Section
 
 BATCH_AXIS = "batch"  # the name of axis 0 in every exported graph
@@ -125,10 +126,57 @@ class Signature(Section):
     def max_batch(self) -> int:
         return self.batch_sizes[-1]
 
+    def declared_axes(self) -> list[str]:
+        """The axis names ``dynamic_axes`` declares besides the batch, sorted."""
+        return sorted({str(d) for axes in self.dynamic_axes.values() for d in axes.values()} - {BATCH_AXIS})
+
+    def refuse_undeclared_shapes(self) -> None:
+        """``shapes`` keyed by axes ``dynamic_axes`` declares, or the error naming those it does not (a model whose
+        graph Kiln exports has the axes ``dynamic_axes`` declares and no other)."""
+        names = self.declared_axes()
+        unknown = sorted(set(self.shapes) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"signature.shapes names axes {unknown}; signature.dynamic_axes declares {names or 'none'}",
+                hint=undeclared_hint(unknown, names),
+            )
+
     def axis_ranges(self, seen: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
         """Each dynamic axis besides batch -> [smallest, largest]: the sizes ``shapes`` asks for, else ``seen``
         (the sizes the data holds)."""
         return {k: [min(v), max(v)] for k, v in ((seen or {}) | self.shapes).items() if v}
+
+
+def undeclared_hint(unknown: list[str], names: list[str]) -> str:
+    """The fix where signature.shapes names axes ``unknown`` that signature.dynamic_axes does not declare (``names``:
+    those it does): keyed by a declared name; where it declares none, the axis declared there (the graph is then
+    exported with it dynamic) or the sizes left out."""
+    if names:
+        return f"key signature.shapes by the axis names of signature.dynamic_axes, e.g. {{{names[0]}: [8, 32]}}"
+    return (
+        f"declare {', '.join(unknown)} in signature.dynamic_axes, by input and axis (e.g. {{input_ids: {{1: "
+        f"{unknown[0]}}}}}), and export again; or leave signature.shapes out"
+    )
+
+
+class _ExportsModel(Protocol):
+    """Settings of a stage that exports the model: the model's section (``onnx``: the file that replaces it) and
+    the signature."""
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def signature(self) -> Signature: ...
+
+
+def check_declared_shapes(settings: _ExportsModel) -> None:
+    """A stage's quick check (:attr:`kiln.core.stage.Stage.checks`, run before the first stage does work): where
+    Kiln exports the PyTorch model, ``signature.shapes`` names only axes ``signature.dynamic_axes`` declares, said
+    before training and export rather than after them. A run from ``model.onnx`` takes the file's own axis names,
+    which the stages that read the file check; so do the direct commands on a file, which run no stage checks."""
+    if not settings.model.onnx:
+        settings.signature.refuse_undeclared_shapes()
 
 
 def gather(data: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import copy
 import functools
 import json
 import logging
+import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -335,15 +336,132 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) 
             state[alias] = state[name]
         elif name not in state and alias in state:
             state[name] = state[alias]
+    state = _weight_norm_matched(model, state, source)
     state = _without_unused(model, state, source)
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
         message, prefixes = _misfit(model.state_dict(), state, exc)
         raise ModelShapeError(
-            f"checkpoint {source} does not fit model {type(model).__name__}: {message}", prefixes
+            f"checkpoint {source} does not fit model {type(model).__name__}: {message}",
+            prefixes,
+            _weight_norm_hint(model.state_dict(), state),
         ) from None
     return model
+
+
+# A weight under weight_norm is two tensors, g (its norm) and v (its direction): named by
+# torch.nn.utils.parametrizations.weight_norm X.parametrizations.W.original0/original1, by the older
+# torch.nn.utils.weight_norm X.W_g/X.W_v; without weight_norm the weight is X.W.
+_PARAMETRIZED = re.compile(r"^(?P<at>(?:.+\.)?)parametrizations\.(?P<name>[^.]+)\.original(?P<part>[01])$")
+_OLD_FORM = re.compile(r"^(?P<base>.+)_(?P<part>[gv])$")
+
+
+def _weight_norm_pairs(keys: list[str]) -> dict[str, tuple[str, str]]:
+    """The weights of ``keys`` held in either weight_norm form, both parts there: ``X.W`` -> (its g key, its v
+    key)."""
+    parts: dict[str, dict[str, str]] = {}
+    for key in keys:
+        new, old = _PARAMETRIZED.match(key), _OLD_FORM.match(key)
+        if new:
+            parts.setdefault(f"{new['at']}{new['name']}", {})["gv"[int(new["part"])]] = key
+        elif old:
+            parts.setdefault(old["base"], {})[old["part"]] = key
+    return {base: (held["g"], held["v"]) for base, held in parts.items() if set(held) == {"g", "v"}}
+
+
+def _weight_norm_matched(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """``state`` with each weight the model holds under weight_norm and the checkpoint in another form put in the
+    model's: the g and v of the other weight_norm form as they are (the same two tensors), or a plain weight ``w``
+    as ``g = ||w||`` (over the axes where the model's g has size 1, as ``torch.norm_except_dim``) and ``v = w``:
+    the tensors applying weight_norm to a layer holding ``w`` sets, which weight_norm computes back to ``w``
+    (``v * g / ||v||``, to float rounding). The reverse, a weight-normed checkpoint for a plain layer, is left to
+    the error (:func:`_weight_norm_hint`): its weight depends on a parametrization the checkpoint does not name."""
+    wanted = model.state_dict()
+    missing = [k for k in wanted if k not in state]
+    unexpected = [k for k in state if k not in wanted]
+    have = _weight_norm_pairs(unexpected)
+    out, matched = dict(state), []
+    for base, (g_key, v_key) in _weight_norm_pairs(missing).items():
+        if base in have:
+            g, v = state[have[base][0]], state[have[base][1]]
+        elif base in unexpected:
+            g, v = _norm_of(state[base], tuple(wanted[g_key].shape)), state[base]
+        else:
+            continue
+        if _shape(g) != tuple(wanted[g_key].shape) or _shape(v) != tuple(wanted[v_key].shape):
+            continue
+        if not _is_weight_norm(model, base, g_key, g, v):
+            continue
+        for key in have.get(base, (base,)):
+            out.pop(key)
+        out[g_key], out[v_key] = g, v
+        matched.append(base)
+    if matched:
+        log.info(
+            "checkpoint %s: %d weight%s in another weight_norm form than the model's (%s), loaded in the model's",
+            source,
+            len(matched),
+            "s" if len(matched) != 1 else "",
+            _few(matched),
+        )
+    return out
+
+
+def _norm_of(w: Any, g_shape: tuple[int, ...]) -> torch.Tensor | None:
+    """weight_norm's g of the weight ``w`` for a g of shape ``g_shape``: the 2-norm of ``w`` over the axes where
+    ``g_shape`` is 1 (all of them for a g of one value); None where that shape is not one of ``w``'s norms."""
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        return None
+    if g_shape == ():
+        return torch.linalg.vector_norm(w)
+    if len(g_shape) != w.ndim or any(n not in (1, size) for n, size in zip(g_shape, w.shape)):
+        return None
+    axes = [i for i, n in enumerate(g_shape) if n == 1]
+    return torch.linalg.vector_norm(w, dim=axes, keepdim=True) if axes else w.abs()
+
+
+def _is_weight_norm(model: nn.Module, base: str, g_key: str, g: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the model computes its weight ``base`` (``X.W``, g at ``g_key``) as weight_norm does: the older form
+    by its hook (``W_g``/``W_v`` are its names), the parametrizations form by running the model's parametrization on
+    ``g`` and ``v`` (``original0``/``original1`` name any parametrization of two tensors)."""
+    from torch.nn.utils.parametrize import ParametrizationList
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    at, _, name = base.rpartition(".")
+    module = model.get_submodule(at)
+    if not _PARAMETRIZED.match(g_key):
+        hooks = module._forward_pre_hooks.values()  # the hook is the older form's only trace on the module
+        return any(isinstance(h, WeightNorm) and h.name == name for h in hooks)
+    chain, norm = module.get_submodule(f"parametrizations.{name}"), _norm_of(v, tuple(g.shape))
+    if not isinstance(chain, ParametrizationList) or len(chain) != 1 or norm is None:
+        return False
+    with torch.no_grad():
+        return bool(torch.allclose(chain[0](g, v), v * (g / norm), rtol=1e-5, atol=1e-7))
+
+
+def _weight_norm_hint(wanted: dict[str, torch.Tensor], state: dict[str, Any]) -> str | None:
+    """The fix where the checkpoint holds, in weight_norm's form, weights the model has plain (or the model has
+    under weight_norm weights the checkpoint holds plain and of other shapes): apply or remove weight_norm to
+    match; None where no weight pairs up so."""
+    missing = [k for k in wanted if k not in state]
+    unexpected = [k for k in state if k not in wanted]
+    normed = [b for b in _weight_norm_pairs(unexpected) if b in missing]
+    plain = [b for b in _weight_norm_pairs(missing) if b in unexpected]
+    if normed:
+        return (
+            f"the checkpoint holds {_few(normed)} under weight_norm and the model without: apply "
+            "torch.nn.utils.parametrizations.weight_norm to those layers in the model, as in the model that saved "
+            "it, or save the checkpoint with weight_norm removed (torch.nn.utils.parametrize.remove_parametrizations"
+            "(layer, 'weight'); torch.nn.utils.remove_weight_norm(layer) for weight_g/weight_v)"
+        )
+    if plain:
+        return (
+            f"the model holds {_few(plain)} as weight_norm's two tensors and the checkpoint as a plain weight of "
+            "another shape (or the model's parametrization is not weight_norm): build the model as the one that "
+            "saved the checkpoint, with weight_norm on the same layers or on none"
+        )
+    return None
 
 
 def _without_unused(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
@@ -506,23 +624,27 @@ def _model_under_prefix(
 
 
 class ModelShapeError(InputFileError):
-    """A checkpoint that does not fit the model. Where the checkpoint holds all the model's keys under several
-    prefixes (``prefixes``), the fix is to save one of them alone; otherwise to match the architecture."""
+    """A checkpoint that does not fit the model. ``hint``: the fix where the misfit says it (weight_norm on one side
+    only); else, where the checkpoint holds all the model's keys under several prefixes (``prefixes``), to save one
+    of them alone; otherwise to match the architecture."""
 
-    def __init__(self, message: str, prefixes: list[str] | None = None) -> None:
-        if prefixes:
-            p = prefixes[0]
-            hint = (
-                f"save the weights under one prefix, without it: torch.save({{k.removeprefix('{p}'): v for k, v in "
-                f"sd.items() if k.startswith('{p}')}}, path) for '{p}', and give that file"
-            )
-        else:
-            hint = (
-                "check model.name/model.params match the checkpoint's architecture; a factory that reads its "
-                "architecture from a file: name the file in model.params (a change to it then retrains), or "
-                "`kiln run --force train`"
-            )
-        super().__init__(message, hint=hint)
+    def __init__(self, message: str, prefixes: list[str] | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint or _misfit_hint(prefixes))
+
+
+def _misfit_hint(prefixes: list[str] | None) -> str:
+    """The fix of a checkpoint that does not fit: save one of the ``prefixes`` alone, or match the architecture."""
+    if prefixes:
+        p = prefixes[0]
+        return (
+            f"save the weights under one prefix, without it: torch.save({{k.removeprefix('{p}'): v for k, v in "
+            f"sd.items() if k.startswith('{p}')}}, path) for '{p}', and give that file"
+        )
+    return (
+        "check model.name/model.params match the checkpoint's architecture; a factory that reads its "
+        "architecture from a file: name the file in model.params (a change to it then retrains), or "
+        "`kiln run --force train`"
+    )
 
 
 def save_trained(out: Path, model: nn.Module, config: ModelConfig, extra: dict[str, Any] | None = None) -> None:

@@ -134,5 +134,6 @@ STAGE = Stage(
     _env,
     "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity (or model.onnx, checked)",
     data=("dataset", "onnx"),
-    checks=("kiln.stages.precision.audit:check_model_onnx",),  # a model.onnx that is not FP32
+    # a model.onnx that is not FP32; signature.shapes naming axes signature.dynamic_axes does not declare
+    checks=("kiln.stages.precision.audit:check_model_onnx", "kiln.core.signature:check_declared_shapes"),
 )

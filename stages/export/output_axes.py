@@ -5,13 +5,18 @@ see through (an RNN's steps, a loop) is declared with the example's size (``[bat
 computes any size. Everything after the export reads the declared shapes (engine metadata, the Triton config, the
 server), so a fixed size there breaks serving at every other length. Running the graph at two sizes of each named
 axis shows which output axes follow it; they get the axis's name (or a name of their own when they change with it
-but not equal to it). No library answers this: shape inference reads the same declarations.
+but not equal to it). An output axis the exporter declared as an expression over the named axes (``16*frames``,
+``frames + 1``, as torch.export writes a length an upsampler or a concatenation makes) keeps it where the probe
+measures the sizes it gives: the name says how the length follows the input. No library answers this: shape
+inference reads the same declarations.
 """
 
 from __future__ import annotations
 
+import ast
 import logging
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +41,81 @@ def resized(feed: dict[str, np.ndarray], axes: Axes, name: str, size: int) -> di
     return out
 
 
+# The operators of an axis expression torch.export writes (sympy's printing of a size): nothing else is evaluated
+_OPERATORS: dict[type[ast.AST], Callable[[int, int], int]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+}
+
+
+def axis_expression(text: str, sizes: Mapping[str, int]) -> int | None:
+    """The value of ``text``, an expression of axis names, integers, ``+ - * //`` and parentheses (``16*frames``,
+    ``(((frames - 3)//2)) + 1``), with each name at its size in ``sizes``; None where it is anything else (an
+    exporter's own symbol ``s0``, a function call) or divides by zero. Parsed, never run: the text comes from a
+    file."""
+    try:
+        return _value(ast.parse(text.strip(), mode="eval").body, sizes)
+    except (SyntaxError, ValueError, RecursionError, ZeroDivisionError):
+        return None
+
+
+def _value(node: ast.AST, sizes: Mapping[str, int]) -> int | None:
+    """One node of :func:`axis_expression`'s tree, or None where it is not of its grammar."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.Name):
+        return sizes.get(node.id)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _value(node.operand, sizes)
+        return None if inner is None else -inner
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _value(node.left, sizes), _value(node.right, sizes)
+        return None if left is None or right is None else _OPERATORS[type(node.op)](left, right)
+    return None
+
+
+def _sizes_of(feed: dict[str, np.ndarray], axes: Axes) -> dict[str, int]:
+    """Each named axis -> its size in ``feed`` (the first input that has it)."""
+    sizes: dict[str, int] = {}
+    for inp, dims in axes.items():
+        for axis, label in dims.items():
+            if inp in feed:
+                sizes.setdefault(label, feed[inp].shape[int(axis)])
+    return sizes
+
+
+def _declared_fits(declared: Any, before: dict[str, int], name: str, other: int, measured: tuple[int, int]) -> bool:
+    """Whether ``declared``, an output axis's dim_param, is an expression over the named axes that gives the sizes
+    ``measured`` at ``before`` and with ``name`` at ``other``."""
+    if not isinstance(declared, str) or not declared:
+        return False
+    after = axis_expression(declared, {**before, name: other})
+    return after is not None and (axis_expression(declared, before), after) == measured
+
+
 def probe(
-    path: Path, feed: dict[str, np.ndarray], axes: Axes, session: Any = None
+    path: Path,
+    feed: dict[str, np.ndarray],
+    axes: Axes,
+    session: Any = None,
+    declared: Mapping[str, Sequence[Any]] | None = None,
 ) -> tuple[dict[str, dict[int, str]], dict[str, dict[int, set[str]]]]:
-    """(output -> {axis: name} for each output axis whose size changes with a named input axis: the name where it
-    equals that axis's size at both sizes, else ``<output>_<axis>``; output -> {axis: the names whose change left
-    it as it was})."""
+    """(output -> {axis: name} for each output axis whose size changes with a named input axis: its ``declared``
+    expression over the named axes where that gives the sizes measured (``16*frames``), else the axis's name where
+    it equals that axis's size at both sizes, else ``<output>_<axis>``; output -> {axis: the names whose change left
+    it as it was}). ``declared``: output -> its dims as the graph declares them (default: as the session reads
+    them)."""
     sess = session if session is not None else ort_session(path)
     names = [o.name for o in sess.get_outputs()]
+    declared = declared if declared is not None else {o.name: o.shape for o in sess.get_outputs()}
     base = [o.shape for o in ort_run(sess, feed)]
+    before = _sizes_of(feed, axes)
     found: dict[str, dict[int, str]] = {}
     stays: dict[str, dict[int, set[str]]] = {}
     for name in sorted({label for dims in axes.values() for label in dims.values()}):
-        size = next(feed[i].shape[int(a)] for i, d in axes.items() for a, lbl in d.items() if lbl == name and i in feed)
+        size = before[name]
         other = size // 2 if size >= 2 else 2
         try:
             shapes = [o.shape for o in ort_run(sess, resized(feed, axes, name, other))]
@@ -60,7 +127,11 @@ def probe(
                 if x == y:
                     stays.setdefault(out, {}).setdefault(i, set()).add(name)
                 elif i not in found.get(out, {}):
-                    found.setdefault(out, {})[i] = name if (x, y) == (size, other) else f"{out}_{i}"
+                    dims = list(declared.get(out) or [])
+                    given = dims[i] if i < len(dims) else None
+                    if not _declared_fits(given, before, name, other, (x, y)):
+                        given = name if (x, y) == (size, other) else f"{out}_{i}"
+                    found.setdefault(out, {})[i] = str(given)
     return found, stays
 
 
@@ -73,7 +144,7 @@ def name_output_axes(
     model = load_onnx(path, load_external_data=False)
     if _batch_only(model, axes):
         return {}
-    found, stays = probe(path, feed, axes, session)
+    found, stays = probe(path, feed, axes, session, _declared_dims(model))
     model = load_onnx(path)
     known = {label for dims in axes.values() for label in dims.values()}
     fixed: dict[str, dict[int, str]] = {}
@@ -98,6 +169,15 @@ def name_output_axes(
             "; ".join(f"{o} axis {i} = {n}" for o, d in fixed.items() for i, n in d.items()),
         )
     return fixed
+
+
+def _declared_dims(model: onnx.ModelProto) -> dict[str, list[int | str]]:
+    """Output -> its dims as the graph declares them: a dim_param, else a dim_value (0: unknown)."""
+    return {
+        o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim]
+        for o in model.graph.output
+        if o.type.HasField("tensor_type")
+    }
 
 
 def _batch_only(model: onnx.ModelProto, axes: Axes) -> bool:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.stages.export.output_axes import name_output_axes, resized
+from kiln.stages.export.output_axes import axis_expression, name_output_axes, resized
 from kiln.stages.export.torch_export import export_onnx
 
 
@@ -107,3 +107,59 @@ def test_every_export_keeps_the_dynamic_input_axes_asked_for(tmp_path: Path) -> 
         export_onnx(Steps().eval(), {"x": torch.randn(2, 10, 4)}, path, dynamic_axes={"x": {1: "seq"}})
         dims = [d.dim_param or d.dim_value for d in onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim]
         assert dims == ["batch", "seq", 4], (i, dims)
+
+
+def _upsampler(path: Path, declared: dict[str, str]) -> None:
+    """A graph of ``x [batch, 1, frames]`` to ``up`` (4 copies of x along frames), ``plus`` (x and its first frame)
+    and ``guess`` (4 copies again), each output's last axis declared as ``declared`` says."""
+    h = onnx.helper
+    nodes = [
+        h.make_node("Concat", ["x", "x", "x", "x"], ["up"], axis=2),
+        h.make_node("Concat", ["x", "x", "x", "x"], ["guess"], axis=2),
+        h.make_node("Slice", ["x", "zero", "one", "two"], ["first"]),
+        h.make_node("Concat", ["x", "first"], ["plus"], axis=2),
+    ]
+    ints = [h.make_tensor(n, onnx.TensorProto.INT64, [1], [v]) for n, v in (("zero", 0), ("one", 1), ("two", 2))]
+    outputs = [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, ["batch", 1, d]) for n, d in declared.items()]
+    x = h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 1, "frames"])
+    graph = h.make_graph(nodes, "upsampler", [x], outputs, initializer=ints)
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(path))
+
+
+def test_an_exporter_s_expression_over_the_axis_names_is_kept_where_the_sizes_bear_it_out(tmp_path: Path) -> None:
+    """torch.export declares an upsampler's output ``16*frames``: that says how it follows the input and stays; an
+    exporter's own symbol (``4*s0``) and an expression the sizes refute (``3*frames``) are named anew."""
+    path = tmp_path / "model.onnx"
+    _upsampler(path, {"up": "4*frames", "plus": "frames + 1", "guess": "3*frames"})
+    feed = {"x": np.random.default_rng(0).standard_normal((2, 1, 10), dtype=np.float32)}
+    fixed = name_output_axes(path, feed, {"x": {0: "batch", 2: "frames"}})
+    dims = _dims(onnx.load(str(path)))
+    assert dims["up"] == ["batch", 1, "4*frames"] and dims["plus"] == ["batch", 1, "frames + 1"], dims
+    assert dims["guess"] == ["batch", 1, "guess_2"] and fixed == {"guess": {2: "guess_2"}}, (dims, fixed)
+    _upsampler(path, {"up": "4*s0", "plus": "(frames) + 1", "guess": "4*frames"})
+    name_output_axes(path, feed, {"x": {0: "batch", 2: "frames"}})
+    dims = {out: d[2] for out, d in _dims(onnx.load(str(path))).items()}
+    assert dims == {"up": "up_2", "plus": "(frames) + 1", "guess": "4*frames"}, dims
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("16*frames", 512),
+        ("frames + 1", 33),
+        ("(((frames - 3)//2)) + 1", 15),
+        ("2*frames - seq", 60),
+        ("-frames + 40", 8),
+        ("frames", 32),
+        ("s0", None),
+        ("frames**2", None),
+        ("frames / 2", None),
+        ("max(frames, 1)", None),
+        ("__import__('os').getpid()", None),
+        ("frames // 0", None),
+        ("16*", None),
+        ("", None),
+    ],
+)
+def test_axis_expression_evaluates_sizes_and_nothing_else(text: str, value: int | None) -> None:
+    assert axis_expression(text, {"frames": 32, "seq": 4}) == value
