@@ -259,6 +259,7 @@ def _weights_in(state: Any, path: Path) -> dict[str, torch.Tensor]:
             _few(list(state), 8),
             known[0],
         )
+        _other_weights(path, known[0], [k for k in holders if k != known[0]])
         return state[known[0]]
     listed = f"checkpoint {path} holds a dict with keys [{_few([repr(k) for k in state], 8)}], not a state dict"
     if not holders:
@@ -270,6 +271,22 @@ def _weights_in(state: Any, path: Path) -> dict[str, torch.Tensor]:
         f"{listed}: {held} hold{'s' if len(holders) == 1 else ''} tensors",
         hint=f"save the model's weights alone, e.g. torch.save(ckpt['{holders[0]}'], path), and give that file",
     )
+
+
+def _other_weights(path: Path, used: str, others: list[str]) -> None:
+    """A warning where keys beside the one loaded hold weights too (an EMA copy, a GAN's discriminator): the run
+    uses ``used``, and a user who deploys the other (a diffusion model's EMA weights) must hear which it took."""
+    if others:
+        shown = " and ".join(repr(k) for k in others[:3]) + (" and more" if len(others) > 3 else "")
+        log.warning(
+            "checkpoint %s: loading the weights under '%s'; %s hold%s weights too (an EMA copy?): to use those, save "
+            "them alone, e.g. torch.save(ckpt[%s], path), and give that file",
+            path,
+            used,
+            shown,
+            "s" if len(others) == 1 else "",
+            repr(others[0]),
+        )
 
 
 def _load_failure(exc: Exception) -> str:

@@ -102,6 +102,22 @@ def test_a_training_checkpoints_weights_load_from_the_key_that_holds_them(
     assert f"the weights under '{key}'" in caplog.text
 
 
+def test_weights_under_another_key_beside_those_loaded_are_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A diffusion checkpoint {'model': ..., 'ema': ...}: 'model' loads, and the warning names 'ema' and how to load
+    it instead (the EMA weights are what such a model deploys); the optimizer's state holds no weights."""
+    torch.manual_seed(0)
+    model, ema = net(), net()
+    ckpt = {**training_checkpoint("model", model.state_dict()), "ema": ema.state_dict()}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    with caplog.at_level("WARNING", logger="kiln"):
+        fresh = load_weights(net(), read_state_dict(tmp_path / "ckpt.pt"), "ckpt.pt")
+    assert same_weights(fresh, model)
+    assert "loading the weights under 'model'; 'ema' holds weights too" in caplog.text
+    assert "torch.save(ckpt['ema'], path)" in caplog.text and "optimizer" not in caplog.text
+
+
 def test_a_lightning_checkpoint_loads_the_models_keys_under_its_prefix(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
