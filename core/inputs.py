@@ -170,7 +170,8 @@ def random_inputs(
     tells), over 0..255, since at 0 and 1 alone an image is black and its outputs barely vary between samples;
     other integers in [0, ``int_high``] (1 by default, so any embedding accepts them as ids, uint8 ones too where
     nothing says they index none); booleans at random, each row of their last axis holding both values
-    (:func:`booleans`); floats standard normal. A fixed axis keeps its size."""
+    (:func:`booleans`); floats standard normal, but whole numbers in the range ``int_ranges`` gives a float input
+    (one the graph casts to an index: :func:`kiln.core.onnx_io.index_ranges`). A fixed axis keeps its size."""
     check_batch_fits(specs, batch, hint=f"{BATCH_HINT}, or {hint}")
     rng = np.random.default_rng(seed)
     feed: dict[str, np.ndarray] = {}
@@ -183,6 +184,8 @@ def random_inputs(
             pixels = int_ranges is not None and dtype == np.uint8
             bounds = (int_ranges or {}).get(spec.name, [0, 255 if pixels else int_high])
             feed[spec.name] = integers(rng, bounds, shape).astype(dtype)
+        elif spec.name in (int_ranges or {}):  # a float the graph casts to an index (a diffusion timestep)
+            feed[spec.name] = integers(rng, int_ranges[spec.name], shape).astype(dtype)
         else:
             feed[spec.name] = rng.standard_normal(shape).astype(dtype)
     return feed

@@ -745,6 +745,8 @@ def _not_tensor_hint(model: onnx.ModelProto, role: str, name: str) -> str:
 _KEEPS_VALUES = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand", "Transpose", "Tile"}
 _WIDE = {onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64}
 _INTEGER = _WIDE | {onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16}
+# float inputs whose values index once cast to a wide integer (a diffusion model's timestep ``t.long()``)
+_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
 # ops whose input 1 holds positions along an axis (or, for the ND ones, several axes) of their input 0
 _INDEXES = {"Gather", "GatherElements", "ScatterElements", "Scatter", "GatherND", "ScatterND"}
 _NO_LIMIT = float("inf")
@@ -758,7 +760,9 @@ Axes = list[int | None] | None
 
 def index_ranges(model: onnx.ModelProto) -> dict[str, IntRange]:
     """Integer graph input -> ``[0, n - 1]``: the input's values reach the indices of an op that reads positions
-    along an axis of ``n`` (known in the graph), through ops that keep values; ``n`` is the smallest such axis. ONNX's
+    along an axis of ``n`` (known in the graph), through ops that keep values; ``n`` is the smallest such axis. A
+    float input reaches them only through a ``Cast`` to a wide integer (a diffusion model's timestep looked up in a
+    table, ``emb(t.long())``): its values, truncated as the Cast truncates them, take the same range. ONNX's
     index ops take a negative index as counted from the end, where ``torch.nn.Embedding``, ``torch.gather`` and
     ``scatter_add_`` refuse it, and ONNX Runtime stops at an index past the end with a traceback from deep in the
     graph: a server that knows the range refuses such a request, naming the input, instead. An input that reaches
@@ -773,7 +777,8 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, IntRange]:
     graph (a dynamic axis, or one shape inference cannot find) gives no range: the data decides it at each call.
     Values are followed through a Gather of constant positions along an axis whose size is not a number (a batch of
     one unwrapped, ``edge_index[0]``) and through a Concat with constants within the indexed axis (a GNN's self
-    loops, ``torch.cat([src, torch.arange(n)])``).
+    loops, ``torch.cat([src, torch.arange(n)])``; classifier-free guidance's null class, ``torch.cat([y,
+    torch.full_like(y, k)])``: a ``ConstantOfShape`` or an ``Expand`` of a constant).
 
     An input taken apart row by row (``edge_index[:, 0]`` and ``edge_index[:, 1]``: a ``Gather`` of a constant
     row, a ``Slice``, a ``Split``, along one axis of static size) holds in each row the values that row's ops
@@ -813,7 +818,7 @@ class _IndexGraph:
     def ranges(self) -> dict[str, IntRange]:
         out: dict[str, IntRange] = {}
         for value in self.model.graph.input:
-            if value.name in self.tables or value.type.tensor_type.elem_type not in _INTEGER:
+            if value.name in self.tables or value.type.tensor_type.elem_type not in _INTEGER | _FLOATS:
                 continue
             found = self.allowed(value.name)
             if found is not None:
@@ -946,10 +951,10 @@ class _IndexGraph:
         return None if picked is None else [*axes[:axis], *([None] * len(picked)), *axes[axis + 1 :]]
 
     def mixed(self, node: onnx.NodeProto, name: str) -> int | None:
-        """For a Concat of ``name`` with other inputs that are all integer constants or a ``Range`` of constants
-        (``torch.cat([src, torch.arange(n)])``: a GNN's self loops), the smallest number of positions an indexed
-        axis must have to take those constants too (the values keep their meaning only within it); None where an
-        other input's values are not known."""
+        """For a Concat of ``name`` with other inputs that are all integer constants, a ``Range`` of constants
+        (``torch.cat([src, torch.arange(n)])``: a GNN's self loops) or filled with a constant (:meth:`bounds`), the
+        smallest number of positions an indexed axis must have to take those constants too (the values keep their
+        meaning only within it); None where an other input's values are not known."""
         need = 0
         for other in node.input:
             if other == name:
@@ -963,9 +968,12 @@ class _IndexGraph:
         return need
 
     def bounds(self, name: str) -> tuple[int, int] | tuple[()] | None:
-        """The smallest and largest integer ``name`` holds where it is a constant (:meth:`constant`) or a ``Range``
-        of constants; ``()`` where it holds none; None where not known."""
+        """The smallest and largest integer ``name`` holds where it is a constant (:meth:`constant`), a ``Range``
+        of constants, or a tensor of a computed shape filled with a constant (:meth:`filled`: ``torch.full_like(y,
+        k)``); ``()`` where it holds none; None where not known."""
         values = self.constant(name)
+        if values is None:
+            values = self.filled(name)
         if values is not None:
             return (int(values.min()), int(values.max())) if values.size else ()
         node = self.producer.get(name)
@@ -980,6 +988,21 @@ class _IndexGraph:
             return ()
         last = start + delta * (count - 1)
         return min(start, last), max(start, last)
+
+    def filled(self, name: str) -> np.ndarray | None:
+        """The integer constant ``name`` is filled with where it is a ``ConstantOfShape`` of an integer value or an
+        ``Expand`` of an integer constant (each reshaped or cast as :meth:`constant` follows), else None. Its shape
+        may be computed (the batch's): only its values matter to an index."""
+        name, node = traced_back(name, self.producer, _keeps_integers)
+        if node is not None and node.op_type == "Expand":
+            return self.constant(node.input[0])
+        if node is None or node.op_type != "ConstantOfShape":
+            return None
+        value = next((a.t for a in node.attribute if a.name == "value"), None)
+        if value is None:  # no value: float zeros, no index
+            return None
+        found = numpy_helper.to_array(value)
+        return found.astype(np.int64).ravel() if np.issubdtype(found.dtype, np.integer) else None
 
     def rows(self, node: onnx.NodeProto, shape: list[int | None] | None) -> list[Rows]:
         """Each output of ``node`` that holds rows of its input 0 (of ``shape``) along one axis: ``Gather`` of
@@ -1080,14 +1103,7 @@ class _IndexGraph:
     def constant(self, name: str) -> np.ndarray | None:
         """The integer values of ``name`` where it is an initializer or a Constant node's output, or one reshaped or
         cast (torch.onnx.export(dynamo=True) writes a slice's bounds as ``Reshape(Cast(Constant))``), else None."""
-        name, node = traced_back(
-            name,
-            self.producer,
-            lambda n: (
-                n.op_type in {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
-                or (n.op_type == "Cast" and cast_to(n) == onnx.TensorProto.INT64)
-            ),  # no narrowing wrap
-        )
+        name, node = traced_back(name, self.producer, _keeps_integers)
         try:
             if node is not None and node.op_type == "Constant" and node.attribute:
                 value = onnx.helper.get_attribute_value(node.attribute[0])
@@ -1100,6 +1116,14 @@ class _IndexGraph:
         except Exception:  # a Constant of strings or floats: no rows
             return None
         return found.astype(np.int64).ravel() if np.issubdtype(found.dtype, np.integer) else None
+
+
+def _keeps_integers(node: onnx.NodeProto) -> bool:
+    """Whether ``node``'s output holds the integers of its first input: a reshape, or a Cast to int64 (a narrower
+    one would wrap them)."""
+    return node.op_type in {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"} or (
+        node.op_type == "Cast" and cast_to(node) == onnx.TensorProto.INT64
+    )
 
 
 def _start_axis(axes: Axes, axis: int) -> int:

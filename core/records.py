@@ -135,13 +135,30 @@ def steps_text(pattern: list[int], span: tuple[int, int] | None = None) -> str:
     return f" at sizes {listed} modulo {period}"
 
 
-def _probed_steps(dim: str, pattern: list[int], span: tuple[int, int]) -> str:
-    """The steps an engine's graph takes ``dim`` in (:func:`steps_text`), said apart from the range it was
-    validated for: the export or the build found them (running the model between the range's ends, or
-    torch.export's constraints), not validation, which runs at its own sizes only; "" where it takes every size."""
-    steps = steps_text(pattern, span)
+def nearest_sizes(pattern: list[int], size: int, span: tuple[int, int]) -> list[int]:
+    """The sizes next to ``size`` that ``pattern`` (:func:`takes_size`) allows within ``span`` (low, high): the
+    largest below it and the smallest above it, where there are such."""
+    period, *residues = pattern
+    if period >= LISTED_PERIOD:
+        candidates = residues
+    else:
+        candidates = [c for r in residues for c in (size - (size - r) % period, size + (r - size) % period)]
+    taken = [c for c in candidates if span[0] <= c <= span[1] and c != size and takes_size(pattern, c)]
+    below, above = [c for c in taken if c < size], [c for c in taken if c > size]
+    return ([max(below)] if below else []) + ([min(above)] if above else [])
+
+
+def _off_steps(engine: str, dim: str, size: int, pattern: list[int], span: tuple[int, int]) -> str:
+    """Why ``size``, within the sizes an engine was validated for (``span``), is refused: its graph takes ``dim``
+    only in steps (:func:`steps_text`) that the export or the build found (running the model between the range's
+    ends, or torch.export's constraints), not validation, which runs at its own sizes only; with the sizes next to
+    it that the engine takes."""
+    near = nearest_sizes(pattern, size, span)
+    which = "sizes it takes are" if len(near) > 1 else "size it takes is"
+    said = f"; the nearest {which} {' and '.join(map(str, near))}" if near else ""
     return (
-        f", and its graph takes {dim} only{steps} (steps found at export or build, not each validated)" if steps else ""
+        f"engine {engine}'s graph takes {dim} only{steps_text(pattern, span)} (steps found at export or build, not "
+        f"each validated){said}"
     )
 
 
@@ -309,20 +326,37 @@ class EngineMetadata(Record):
         tied = self.tied_mismatch(shapes)
         if tied is not None:
             return tied
-        said: dict[str, str] = {}  # one sentence per axis name: inputs sharing an axis are one size here
+        return "; ".join(why for _, why in self.refused_sizes(shapes).values()) or None
+
+    def refused_sizes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[bool, str]]:
+        """Each named axis of these shapes at a size the engine does not take (:attr:`axis_ranges`, and
+        :attr:`axis_steps` between them), once per axis name (inputs sharing an axis are one size here): its name ->
+        (whether the size lies within the range, off the steps only; the sentence naming the input, the axis and
+        the one rule it breaks)."""
+        said: dict[str, tuple[bool, str]] = {}
         for spec in self.inputs:
             for axis, dim in enumerate(spec.shape):
                 shape = shapes.get(spec.name, ())
                 if not isinstance(dim, str) or dim not in self.axis_ranges or axis >= len(shape) or dim in said:
                     continue
-                low, high = self.axis_ranges[dim]
-                pattern = self.axis_steps.get(dim, [1, 0])
-                if not low <= shape[axis] <= high or not takes_size(pattern, shape[axis]):
-                    said[dim] = (
-                        f"input '{spec.name}' axis {axis} ({dim}) is {shape[axis]}: engine {self.name} was "
-                        f"{self.vouched()} for {dim} from {low} to {high}{_probed_steps(dim, pattern, (low, high))}"
-                    )
-        return "; ".join(said.values()) or None
+                refused = self._refused_size(spec.name, axis, dim, shape[axis])
+                if refused is not None:
+                    said[dim] = refused
+        return said
+
+    def _refused_size(self, name: str, axis: int, dim: str, size: int) -> tuple[bool, str] | None:
+        """Why input ``name``'s ``axis`` at ``size`` breaks a rule of the sizes the engine takes on ``dim``, naming
+        only the one it breaks, as (within the range, the sentence): past its range (:attr:`axis_ranges`), the
+        range; within it, the steps of its graph (:attr:`axis_steps`) and the sizes next to it that they take.
+        None where the engine takes the size."""
+        low, high = self.axis_ranges[dim]
+        pattern = self.axis_steps.get(dim, [1, 0])
+        where = f"input '{name}' axis {axis} ({dim}) is {size}"
+        if not low <= size <= high:
+            return False, f"{where}: engine {self.name} was {self.vouched()} for {dim} from {low} to {high}"
+        if not takes_size(pattern, size):
+            return True, f"{where}: {_off_steps(self.name, dim, size, pattern, (low, high))}"
+        return None
 
     def vouched(self) -> str:
         """What the engine's sizes were checked by: "validated" once validation recorded the batches it compared
@@ -368,12 +402,15 @@ class EngineMetadata(Record):
 Cell = tuple[int, ...]
 
 
-def first_outside(ranges: dict[str, IntRange], feed: dict[str, Any]) -> tuple[str, int, list[int], Cell | None] | None:
+def first_outside(
+    ranges: dict[str, IntRange], feed: dict[str, Any]
+) -> tuple[str, int | float, list[int], Cell | None] | None:
     """The first input of ``feed`` holding a value outside its range in ``ranges``: its name, the value past the
     range (the least below it, else the most above it), the range, and the cell it lies in (its position along the
     input's last axes, :func:`cell_axes`) where the input has a range per cell (:data:`IntRange`; else None); None
-    when all are inside. Inputs missing from ``feed`` or empty are not checked; an input whose axes do not match its
-    cells is held to the widest of them."""
+    when all are inside. A float input (one cast to an index in the graph) is held to the range as the Cast
+    truncates it, and a NaN or infinite value in it is outside any range. Inputs missing from ``feed`` or empty are
+    not checked; an input whose axes do not match its cells is held to the widest of them."""
     import numpy as np  # the feed's arrays are numpy's already; the records alone load without it
 
     for name, bounds in ranges.items():
@@ -387,10 +424,32 @@ def first_outside(ranges: dict[str, IntRange], feed: dict[str, Any]) -> tuple[st
             flat, cells = array.reshape(-1, len(bounds)), by_column(bounds, len(bounds)) or []
             parts = [(tuple(int(k) for k in np.unravel_index(i, axes)), flat[:, i], c) for i, c in enumerate(cells)]
         for cell, values, (low, high) in parts:
-            least, most = int(values.min()), int(values.max())
-            if least < low or most > high:
-                return name, least if least < low else most, [low, high], cell
+            value = _past_range(np.asarray(values), low, high)
+            if value is not None:
+                return name, value, [low, high], cell
     return None
+
+
+def _past_range(values: Any, low: int, high: int) -> int | float | None:
+    """The value of ``values`` (a numpy array) past ``[low, high]``: the least below it, else the most above it;
+    None where all lie inside. Floats are compared as a Cast to an integer truncates them (toward 0: -0.5 is 0),
+    and are said as given; a NaN or an infinity (no integer) is past any range."""
+    import numpy as np
+
+    if values.dtype.kind != "f":
+        least, most = int(values.min()), int(values.max())
+    else:
+        if not np.isfinite(values).all():
+            return float(values[~np.isfinite(values)][0])
+        least, most = float(values.min()), float(values.max())
+    if math.trunc(least) < low:
+        return _number(least)
+    return _number(most) if math.trunc(most) > high else None
+
+
+def _number(value: int | float) -> int | float:
+    """``value`` as a sentence says it: an integral float as an integer (5000, not 5000.0)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def cell_text(name: str, cell: Cell | None) -> str:

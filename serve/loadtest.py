@@ -389,7 +389,8 @@ def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = PO
     # an axis besides the batch at the largest size the engine was validated for
     sizes = largest_sizes(specs, engine.meta.axis_ranges)
     hint = "give the run's config (-c) so that its validation data become the requests"
-    pool = [random_inputs(specs, 1, sizes, seed=i, hint=hint) for i in range(size)]
+    ranges = engine.meta.index_ranges  # ids within the tables the graph indexes, a float timestep's too
+    pool = [random_inputs(specs, 1, sizes, seed=i, hint=hint, int_ranges=ranges) for i in range(size)]
     shapes = ", ".join(f"{k} {v.dtype}{list(v.shape)}" for k, v in pool[0].items())
     log.warning("engine %s gets RANDOM inputs (%s): %s", engine.meta.name, shapes, why)
     return pool, f"RANDOM ({size} samples; {why})"

@@ -13,6 +13,7 @@ numpy arrays in, dict out), ``deactivate``; they are context managers and import
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,11 +259,21 @@ class Runner:
         check_feed(self.meta, feed, allow_outside_ranges=allow_outside_ranges)
         try:
             return self._infer(feed)
-        except Exception as exc:  # the backend's own error: said as the engine's sizes where the feed is outside them
-            outside = self.meta.refusal(feed)
-            if outside is None:
+        except Exception as exc:  # the backend's own error: said as Kiln's where the feed is at fault
+            refused = self._refused(feed, exc)
+            if refused is None:
                 raise
-            raise InputError(f"{outside}; the engine failed on it: {first_line(exc, 200)}", hint=OUTSIDE_HINT) from None
+            raise refused from None
+
+    def _refused(self, feed: dict[str, np.ndarray], exc: Exception) -> InputError | None:
+        """The backend's error ``exc`` on ``feed`` as Kiln's :class:`InputError` where the feed is at fault: outside
+        the sizes or values the engine was validated for (said as those), or holding an index past a table that its
+        check does not range (:func:`past_index`); None for any other error."""
+        outside = self.meta.refusal(feed)
+        if outside is not None:
+            return InputError(f"{outside}; the engine failed on it: {first_line(exc, 200)}", hint=OUTSIDE_HINT)
+        past = past_index(exc)
+        return None if past is None else InputError(f"engine {self.name}: {past}", hint=INDEX_HINT)
 
     def time_ms(
         self, feed: dict[str, np.ndarray], warmup: int, iterations: int, budget_s: float | None = None
@@ -301,6 +312,49 @@ class Runner:
 
 
 OUTSIDE_HINT = "call the engine within the sizes and values it was validated for (kiln-engine.json: axis_ranges)"
+STEPS_HINT = (
+    "pass a size the engine's graph takes (the nearest are named above; kiln-engine.json: axis_steps), resizing or "
+    "padding the input to it"
+)
+VALUES_HINT = (
+    "pass indices within what the input indexes (kiln-engine.json: index_ranges): a class id or timestep within its "
+    "embedding's rows, a token id within the vocabulary (one past it: a tokenizer made for another model), a node "
+    "index within the graph's nodes"
+)
+INDEX_HINT = (
+    "pass values within the rows of the table the input indexes (a class id or timestep within the embedding's rows, "
+    "a token id within the vocabulary, a node index within the graph's nodes)"
+)
+# ONNX Runtime's error where an index op's index lies past the axis it reads (Gather; GatherND; GatherElements and
+# ScatterElements), naming the node and, for Gather and GatherND, the index and the range the axis allows
+_PAST_INDEX = re.compile(
+    r"running (?P<op>\w+) node\. Name:'(?P<node>[^']*)' Status Message: .*?(?:"
+    r"indices element out of data bounds, idx=(?P<idx>-?\d+) must be within the inclusive range "
+    r"\[(?P<low>-?\d+),(?P<high>-?\d+)\]|invalid index found, index = (?P<nd>-?\d+)|out of range value in index)",
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+def past_index(exc: BaseException) -> str | None:
+    """The sentence for a backend's error that an index op of the graph got an index past the axis it reads (ONNX
+    Runtime's, :data:`_PAST_INDEX`): the node, its op, the index and the positions it takes, where the error says
+    them; None for any other error. An input the engine's own check ranges (``index_ranges``) is refused before it
+    runs; this is an index the check cannot follow (one computed from the inputs, or a table whose rows the graph
+    does not fix)."""
+    found = _PAST_INDEX.search(str(exc))
+    if found is None:
+        return None
+    where = f"node '{found['node']}' ({found['op']})"
+    if found["idx"] is not None:
+        low, high = int(found["low"]), int(found["high"])
+        return (
+            f"{where} got index {found['idx']}, outside the {high + 1} rows of the table it reads (indices {low} to "
+            f"{high}, negative ones counted from its end)"
+        )
+    index = f" {found['nd']}" if found["nd"] is not None else ""
+    return f"{where} got an index{index} past the axis it reads"
+
+
 BATCH_HINT = (
     "call it with at most that many rows at a time, or validate the larger batch (signature.batch_sizes) and package "
     "again; from Python, infer(feed, allow_outside_ranges=True) runs it at a batch nobody validated"
@@ -349,11 +403,7 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any], *, allow_outside_rang
     check_sizes(meta, shapes, allow_outside_ranges)
     outside = meta.outside_values(feed)
     if outside is not None:
-        raise InputError(
-            outside,
-            hint="pass indices within what the input indexes (a token id past the vocabulary: a tokenizer made for "
-            "another model; a node index past the graph's nodes)",
-        )
+        raise InputError(outside, hint=VALUES_HINT)
 
 
 def pinned_at_export(meta: EngineMetadata, name: str, axis: int) -> bool:
@@ -413,4 +463,5 @@ def check_sizes(meta: EngineMetadata, shapes: dict[str, tuple[int, ...]], allow_
         return
     if not ranged or meta.tied_mismatch(shapes) is not None:
         raise InputError(problem, hint="pass every input at one size on the axes they share (the batch, a sequence)")
-    raise InputError(problem, hint=RANGES_HINT)
+    off_steps = all(within for within, _ in meta.refused_sizes(shapes).values())
+    raise InputError(problem, hint=STEPS_HINT if off_steps else RANGES_HINT)

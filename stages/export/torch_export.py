@@ -97,7 +97,7 @@ def export_with_fallback(
             if not lost:
                 break
             # torch.export may specialise an axis it was told is dynamic (an nn.GRU's length), without an error
-            raise ValueError(f"{_FIXED_AXES}{', '.join(lost)}, which signature.dynamic_axes makes dynamic")
+            raise ValueError(_FIXED_AXES + _fixed_axes_text(lost, dynamic_axes or {}))
         except Exception as exc:  # the exporter raises many types; keep the message for the user
             interrupt.check()  # a Ctrl-C that landed inside the exporter's imports came out as another error
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {error_reason(exc)}")
@@ -199,17 +199,31 @@ def _drop_debug_metadata(graph: onnx.GraphProto) -> None:
                 _drop_debug_metadata(sub)
 
 
-def _lost_axes(path: Path, names: dict[str, str], axes: dict[str, dict[int, str]]) -> list[str]:
-    """The dynamic input axes (``axes``: input -> {axis: name}) the file at ``path`` declares with a fixed size;
-    ``names``: the file's input name -> the model's."""
+def _lost_axes(path: Path, names: dict[str, str], axes: dict[str, dict[int, str]]) -> list[tuple[str, int, str]]:
+    """The dynamic input axes (``axes``: input -> {axis: name}) the file at ``path`` declares with a fixed size, as
+    (the model's input name, axis, axis name); ``names``: the file's input name -> the model's."""
     shell = onnx.load(str(path), load_external_data=False)
     lost = []
     for inp in shell.graph.input:
         dims = inp.type.tensor_type.shape.dim
-        for axis, label in axes.get(names.get(inp.name, inp.name), {}).items():
+        name = names.get(inp.name, inp.name)
+        for axis, label in axes.get(name, {}).items():
             if axis < len(dims) and dims[axis].HasField("dim_value"):
-                lost.append(f"input '{names.get(inp.name, inp.name)}' axis {axis} ({label})")
+                lost.append((name, axis, label))
     return lost
+
+
+def _fixed_axes_text(lost: list[tuple[str, int, str]], dynamic_axes: Mapping[str, Mapping[int, str]]) -> str:
+    """The axes an exporter fixed (:func:`_lost_axes`), each group with the setting that makes it dynamic: the
+    ones ``signature.dynamic_axes`` names (``dynamic_axes``), and the batch, axis 0, which ``export.dynamic_batch``
+    makes dynamic where that mapping does not name it: ``input 'x' axis 0 (batch), which export.dynamic_batch makes
+    dynamic, and input 'x' axis 2 (time), which signature.dynamic_axes makes dynamic``."""
+    groups: dict[str, list[str]] = {}
+    for name, axis, label in lost:
+        named = {int(a) for a in dynamic_axes.get(name, {})}
+        setting = "signature.dynamic_axes" if axis in named or axis != 0 else "export.dynamic_batch"
+        groups.setdefault(setting, []).append(f"input '{name}' axis {axis} ({label})")
+    return ", and ".join(f"{', '.join(axes)}, which {setting} makes dynamic" for setting, axes in groups.items())
 
 
 def error_reason(exc: BaseException) -> str:

@@ -119,6 +119,7 @@ class GateCheck:
             "cosine": entry.cosine,
             "sample_cosine": _worst_sample(entry),
             "max_abs_err": entry.max_abs_err,
+            "rel_err": entry.rel_err,
             "accuracy": entry.accuracy,
             "metric": entry.metric,
             "samples": len(self.ref.outputs[-1][key]),

@@ -1,9 +1,11 @@
 """The precision variants' section of report.md: nodes kept FP32 (with the PyTorch module each came from), each
-variant's agreement with the FP32 graph, failed variants, and the per-node error plot."""
+variant's agreement with the FP32 graph (top-1 agreement where an output is class logits, else cosine and relative
+error), failed variants, and the per-node error plot."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from kiln.core.text import fmt
@@ -14,18 +16,22 @@ def report_section(precision: Any) -> list[str]:
     out: list[str] = []
     variants = precision.variants
     if variants:
+        logits = class_logits(variants)
+        columns = _columns(variants, logits)
         out += [
             "",
             "## Precision variants",
             "",
-            "| variant | nodes kept in FP32 | top-1 agreement vs FP32 graph |",
-            "|---|---|---|",
+            f"| variant | nodes kept in FP32 | {' | '.join(head for head, _ in columns)} |",
+            "|---|---|" + "---|" * len(columns),
         ]
         out += [
-            f"| {_label(name, v)} | {v.get('kept_fp32', 0)} | {fmt(v.get('top1_agreement'))} |"
+            f"| {_label(name, v)} | {v.get('kept_fp32', 0)} | {' | '.join(cell(v) for _, cell in columns)} |"
             for name, v in variants.items()
         ]
-        out += [f"| {name} | **failed, not built** | - |" for name in precision.failed]
+        out += [f"| {name} | **failed, not built** | {' | '.join('-' for _ in columns)} |" for name in precision.failed]
+        if not logits:
+            out += ["", NO_LOGITS_NOTE]
         out += [line for name, v in variants.items() for line in _unmade(name, v)]
         for name, v in variants.items():
             if v.get("graph"):
@@ -34,9 +40,9 @@ def report_section(precision: Any) -> list[str]:
                 out += [
                     "",
                     f"ONNX Runtime CPU engines of `{name}` load a graph of their own, quantized "
-                    f"**{v['ort_cpu_scheme']}** (`calibration.ort_cpu_scheme`), checked on its own: top-1 "
-                    f"agreement {fmt(v.get('ort_cpu_top1_agreement'))} with {v.get('ort_cpu_kept_fp32', 0)} "
-                    "nodes kept in float.",
+                    f"**{v['ort_cpu_scheme']}** (`calibration.ort_cpu_scheme`), checked on its own: "
+                    f"{vs_fp32_text(_ort_cpu_figures(v), logits)} with {v.get('ort_cpu_kept_fp32', 0)} nodes kept "
+                    "in float.",
                 ]
             if v.get("reduce_range"):
                 out += [
@@ -59,6 +65,65 @@ def report_section(precision: Any) -> list[str]:
                 for name, hit in (precision.first_divergence or {}).items()
             ]
     return out
+
+
+NO_LOGITS_NOTE = (
+    "No output is class logits: each variant is compared with the FP32 graph on the held-out data by the cosine of "
+    "its outputs (the worst sample's, where measured) and their relative error (where recorded), the figures its "
+    "gates judge."
+)
+
+
+def class_logits(variants: dict[str, dict[str, Any]]) -> bool:
+    """Whether the variants were judged by a top-1 agreement with the FP32 graph (an output is class logits, or every
+    output is integers): some variant records one."""
+    return _records(variants, "top1_agreement")
+
+
+def _columns(variants: dict[str, dict[str, Any]], logits: bool) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
+    """The table's figures of each variant against the FP32 graph, as (header, cell): top-1 agreement where the
+    variants were judged by one (:func:`class_logits`), else the worst sample's cosine (the whole output's where no
+    variant records a sample's) and the relative error (where one is recorded)."""
+    if logits:
+        return [("top-1 agreement vs FP32 graph", lambda v: fmt(v.get("top1_agreement")))]
+    key = "sample_cosine" if _records(variants, "sample_cosine") else "cosine"
+    head = "worst-sample cosine vs FP32 graph" if key == "sample_cosine" else "cosine vs FP32 graph"
+    columns = [(head, lambda v: fmt(v.get(key), ".6f"))]
+    if _records(variants, "rel_err"):
+        columns.append(("relative error vs FP32 graph", lambda v: _rel(v.get("rel_err"))))
+    return columns
+
+
+def _records(variants: dict[str, dict[str, Any]], key: str) -> bool:
+    """Whether some variant records ``key`` (a figure of its check, :func:`_columns`)."""
+    return any(v.get(key) is not None for v in variants.values())
+
+
+def vs_fp32_text(vs: dict[str, Any], logits: bool | None = None) -> str:
+    """What a variant's check against the FP32 graph measured (``vs``: its ``vs_fp32``), in words: its top-1 agreement
+    where it was judged by one (``logits``; None: where ``vs`` records one), and those of its cosine, worst sample's
+    cosine and relative error it records (the cosine always where it has no top-1 agreement)."""
+    said = []
+    if logits or (logits is None and vs.get("top1_agreement") is not None):
+        said.append(f"top-1 agreement {fmt(vs.get('top1_agreement'))}")
+    if vs.get("cosine") is not None or not said:
+        said.append(f"cosine {fmt(vs.get('cosine'), '.6f')}")
+    if vs.get("sample_cosine") is not None:
+        said.append(f"worst-sample cosine {fmt(vs['sample_cosine'], '.6f')}")
+    if vs.get("rel_err") is not None:
+        said.append(f"relative error {_rel(vs['rel_err'])}")
+    return ", ".join(said)
+
+
+def _ort_cpu_figures(v: dict[str, Any]) -> dict[str, Any]:
+    """The ONNX Runtime CPU graph's own check against the FP32 graph, as :func:`vs_fp32_text` reads one."""
+    keys = ("top1_agreement", "cosine", "sample_cosine", "rel_err")
+    return {k: v.get(f"ort_cpu_{k}") for k in keys}
+
+
+def _rel(value: float | None) -> str:
+    """A relative error as the table writes it: ``-`` where none was measured."""
+    return "-" if value is None else _error(value)
 
 
 def _label(name: str, v: dict[str, Any]) -> str:

@@ -31,7 +31,6 @@ from kiln.core.progress import Progress
 from kiln.core.records import PrecisionVariant, TensorSpec, Variants
 from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points
 from kiln.core.stage import StageContext
-from kiln.core.text import fmt
 from kiln.models.model_io import on_random_inputs, torch_model_named
 from kiln.stages.accuracy.check import held_out, held_out_reference, own_point
 from kiln.stages.accuracy.refusal import refusing
@@ -50,6 +49,7 @@ from kiln.stages.precision.node_errors import (
     plot_node_errors,
 )
 from kiln.stages.precision.provenance import torch_modules
+from kiln.stages.precision.report import vs_fp32_text
 from kiln.stages.precision.variants import Source, build_fp8, build_fp16, build_int8
 
 
@@ -508,7 +508,7 @@ def _ort_cpu_summary(ort: dict[str, Any]) -> dict[str, Any]:
     """The ORT CPU graph's own accuracy check: ORT CPU engines run it, not the Q/DQ graph."""
     return {
         "ort_cpu_scheme": ort["scheme"],
-        "ort_cpu_top1_agreement": ort["vs_fp32"]["top1_agreement"],
+        **{f"ort_cpu_{k}": ort["vs_fp32"].get(k) for k in ("top1_agreement", "cosine", "sample_cosine", "rel_err")},
         "ort_cpu_kept_fp32": len(ort["kept_fp32"]),
         "ort_cpu_fallback_passed": ort["fallback"]["passed"],
         "ort_cpu_kept_fp32_nodes": ort["reasons"],
@@ -566,13 +566,7 @@ def _node_error_report(
 def _log_variant(log: logging.Logger, precision: str, entry: dict[str, Any]) -> None:
     vs = entry.get("vs_fp32") or {}
     if vs:
-        log.info(
-            "%s: top-1 agreement vs FP32 %s, cosine %s, %d nodes kept FP32",
-            precision,
-            fmt(vs["top1_agreement"]),
-            fmt(vs["cosine"], ".6f"),
-            len(entry["kept_fp32"]),
-        )
+        log.info("%s vs FP32 graph: %s, %d nodes kept FP32", precision, vs_fp32_text(vs), len(entry["kept_fp32"]))
     if entry.get("unmade"):  # the graph at "path" stays in its folder, where kiln build refuses it
         log.warning(
             "%s; its graph is kept for inspection as %s beside variants.json, which lists it unmade: no engine is "

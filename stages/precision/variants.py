@@ -465,7 +465,17 @@ def _entry(out: Path, kept: dict[str, str], res: FallbackResult, extra: dict[str
 
 
 def _vs_fp32(res: FallbackResult) -> dict[str, float | None]:
-    keys = ("top1_agreement", "top1_ties", "cosine", "max_abs_err", "accuracy", "metric", "samples")
+    keys = (
+        "top1_agreement",
+        "top1_ties",
+        "cosine",
+        "sample_cosine",
+        "max_abs_err",
+        "rel_err",
+        "accuracy",
+        "metric",
+        "samples",
+    )
     return {k: res.metrics.get(k) for k in keys}
 
 

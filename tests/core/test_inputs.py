@@ -160,3 +160,17 @@ def test_inputs_that_broadcast_or_share_a_batch_elsewhere_are_no_graph_without_a
     from kiln.core.inputs import check_batch_axis
 
     check_batch_axis([TensorSpec(name=n, shape=s, dtype="float32") for n, s in shapes.items()], "model.onnx m.onnx")
+
+
+def test_a_float_input_with_an_index_range_is_drawn_as_whole_numbers_within_it() -> None:
+    """A float timestep the graph casts to an index (a diffusion model's ``emb(t.long())``) records a range: random
+    inputs hold whole numbers within it, which the engine's own check accepts; standard normal values (-1.3) it
+    refuses. A float input without a range stays standard normal."""
+    specs = [
+        TensorSpec(name="t", dtype="float32", shape=["batch"]),
+        TensorSpec(name="x", dtype="float32", shape=["batch", 4]),
+    ]
+    feed = random_inputs(specs, 64, int_ranges={"t": [0, 999]})
+    t = feed["t"]
+    assert t.dtype == np.float32 and (t == np.round(t)).all() and t.min() >= 0 and t.max() <= 999 and t.max() > 1
+    assert (feed["x"] != np.round(feed["x"])).any()

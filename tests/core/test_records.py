@@ -138,27 +138,48 @@ def test_inputs_outside_the_validated_axis_sizes_are_named() -> None:
     )
     meta.axis_steps = {"seq": [4, 0]}  # torch.export's h = 4*_h: the sizes between the steps are refused too
     assert meta.outside_range({"ids": (2, 12)}) is None
-    assert meta.outside_range({"ids": (2, 10)}) == (
-        "input 'ids' axis 1 (seq) is 10: engine e was validated for seq from 8 to 16, and its graph takes seq only "
-        f"in steps of 4 {PROBED}"  # the steps were probed, not validated: said apart from the range
+    assert meta.outside_range({"ids": (2, 10)}) == (  # the steps were probed, not validated: said so
+        f"input 'ids' axis 1 (seq) is 10: engine e's graph takes seq only in steps of 4 {PROBED}; the nearest sizes "
+        "it takes are 8 and 12"
     )
     meta.axis_steps = {"seq": [4, 0, 3]}  # an FPN's rounding: runs of sizes per period
     assert meta.outside_range({"ids": (2, 11)}) is None and meta.outside_range({"ids": (2, 12)}) is None
     assert meta.outside_range({"ids": (2, 10)}) == (
-        "input 'ids' axis 1 (seq) is 10: engine e was validated for seq from 8 to 16, and its graph takes seq only "
-        f"at sizes 8, 11, 12, 15, 16 {PROBED}"
+        f"input 'ids' axis 1 (seq) is 10: engine e's graph takes seq only at sizes 8, 11, 12, 15, 16 {PROBED}; the "
+        "nearest sizes it takes are 8 and 11"
     )
     meta.axis_ranges, meta.axis_steps = {"seq": [16, 32]}, {"seq": [17, 15, 16]}  # a period as long as the range
     assert meta.outside_range({"ids": (2, 24)}) == (
-        "input 'ids' axis 1 (seq) is 24: engine e was validated for seq from 16 to 32, and its graph takes seq only "
-        f"at sizes 16, 32 {PROBED}"
+        f"input 'ids' axis 1 (seq) is 24: engine e's graph takes seq only at sizes 16, 32 {PROBED}; the nearest sizes "
+        "it takes are 16 and 32"
     )
     meta.axis_steps = {"seq": [8, 0, 5, 6, 7]}  # an FPN's, over a range too wide to list: never "validated at"
     meta.axis_ranges = {"seq": [64, 96]}
     assert meta.outside_range({"ids": (2, 65)}) == (
-        "input 'ids' axis 1 (seq) is 65: engine e was validated for seq from 64 to 96, and its graph takes seq only "
-        f"at sizes 0, 5-7 modulo 8 {PROBED}"
+        f"input 'ids' axis 1 (seq) is 65: engine e's graph takes seq only at sizes 0, 5-7 modulo 8 {PROBED}; the "
+        "nearest sizes it takes are 64 and 69"
     )
+
+
+def test_a_refused_size_names_only_the_rule_it_breaks() -> None:
+    """A size within the validated range but off the graph's steps is said as the steps, with the sizes next to it
+    the engine takes; a size past the range as the range alone, whether or not it is on the steps."""
+    meta = _meta()
+    meta.inputs = [TensorSpec(name="x", shape=["batch", 3, "h", "w"], dtype="float32")]
+    meta.axis_ranges, meta.axis_steps, meta.validated_batch_sizes = {"h": [8, 16]}, {"h": [2, 0]}, [1]
+    off_step = meta.outside_range({"x": (1, 3, 15, 4)})
+    assert off_step == (
+        f"input 'x' axis 2 (h) is 15: engine e's graph takes h only in steps of 2 {PROBED}; the nearest sizes it "
+        "takes are 14 and 16"
+    )
+    assert "from 8 to 16" not in off_step
+    for size in (20, 21, 6):
+        assert meta.outside_range({"x": (1, 3, size, 4)}) == (
+            f"input 'x' axis 2 (h) is {size}: engine e was validated for h from 8 to 16"
+        )
+    meta.axis_ranges = {"h": [8, 9]}  # one size of the steps in the range: said as the one
+    meta.axis_steps = {"h": [4, 0]}
+    assert meta.outside_range({"x": (1, 3, 9, 4)}).endswith("; the nearest size it takes is 8")
 
 
 def test_inputs_that_differ_on_a_shared_axis_are_named() -> None:
@@ -263,6 +284,20 @@ def test_an_index_past_the_table_is_named_and_the_table_s_own_rows_pass() -> Non
         "(the positions of the axis it indexes: a table's rows, a graph's nodes)"
     )
     assert meta.refusal({"ids": np.array([[10, 2]])}).startswith("input 'ids' holds 10:")
+
+
+def test_a_float_input_cast_to_an_index_is_held_to_its_range_as_the_cast_truncates_it() -> None:
+    """A diffusion model's timestep, float, looked up in a table of 1000 rows: 999.5 is row 999 (Cast truncates),
+    -1.5 and 5000 are refused naming the value given, and a NaN, which no Cast makes a row, is refused too."""
+    meta = _meta()
+    meta.inputs = [TensorSpec(name="t", shape=["batch"], dtype="float32")]
+    meta.index_ranges = {"t": [0, 999]}
+    assert meta.refusal({"t": np.array([0.0, -0.5, 999.5], np.float32)}) is None
+    assert meta.refusal({"t": np.array([5000.0], np.float32)}).startswith("input 't' holds 5000: engine e takes")
+    assert meta.refusal({"t": np.array([3.0, -1.5], np.float32)}).startswith("input 't' holds -1.5:")
+    for bad in (np.nan, np.inf):
+        said = meta.refusal({"t": np.array([3.0, bad], np.float32)})
+        assert said.startswith(f"input 't' holds {float(bad)}: engine e takes values from 0 to 999"), said
 
 
 def test_every_axis_outside_its_validated_sizes_is_named() -> None:

@@ -19,8 +19,8 @@ from kiln.stages.engines.stage import build_direct
 @pytest.fixture(scope="module")
 def lookup_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real ONNX Runtime CPU engine of a table lookup: ``Gather`` of 17 rows by a float feature ``code``
-    [batch, 1] cast to an index inside the graph (as a tabular model's category), an index no input's range
-    records."""
+    [batch, 1] cast to an index and doubled inside the graph, an index no input's range records (the engine's own
+    check does not follow a product)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -28,13 +28,14 @@ def lookup_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     table = numpy_helper.from_array(np.arange(34, dtype=np.float32).reshape(17, 2), "table")
     graph = helper.make_graph(
         [
-            helper.make_node("Cast", ["code"], ["ids"], to=TensorProto.INT64),
+            helper.make_node("Cast", ["code"], ["code_id"], to=TensorProto.INT64),
+            helper.make_node("Mul", ["code_id", "two"], ["ids"]),
             helper.make_node("Gather", ["table", "ids"], ["y"]),
         ],
         "lookup",
         [helper.make_tensor_value_info("code", TensorProto.FLOAT, ["batch", 1])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1, 2])],
-        [table],
+        [table, numpy_helper.from_array(np.array(2, np.int64), "two")],
     )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "m.onnx")
     build_direct(folder / "m.onnx", folder / "engine", "onnxruntime", "cpu", None, BuildConfig())
@@ -56,12 +57,13 @@ def _failure(engine_dir: Path, codes: list[float]) -> Exception:
 
 def test_an_index_past_the_table_is_the_requests_fault(lookup_engine: Path) -> None:
     """ONNX Runtime's INVALID_ARGUMENT on an index out of the Gather's bounds was answered as the engine failing
-    (HTTP 500); it is the request that is wrong (HTTP 400), and the answer quotes ONNX Runtime's reason."""
+    (HTTP 500); it is the request that is wrong (HTTP 400), and the answer says ONNX Runtime's reason in Kiln's words
+    (the engine's InputError: the node, the index, the table's rows)."""
     exc = _failure(lookup_engine, [1.0, 17.0])
     assert request_fault(exc)
     answer = engine_failure(exc)
     assert isinstance(answer, RequestRefused) and not isinstance(answer, BatchFailed)
-    assert "the engine refused this request" in str(answer) and "idx=17" in str(answer), answer
+    assert "(Gather) got index 34, outside the 17 rows" in str(answer), answer
 
 
 def test_other_engine_failures_stay_the_servers() -> None:

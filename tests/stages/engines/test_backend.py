@@ -109,6 +109,23 @@ def test_a_named_axis_outside_its_validated_range_is_one_error_naming_it() -> No
     check_feed(META, long)  # an engine that records no range takes any size
 
 
+def test_a_size_off_the_graphs_steps_within_the_range_is_said_as_the_steps_with_their_own_fix() -> None:
+    """A U-Net validated for h 8..16 whose graph takes h in steps of 2: 15 is refused as off the steps, with the
+    sizes next to it, and the fix is one of those; 20 as past the range, without the steps."""
+    unet = META.model_copy(update={"axis_ranges": {"seq": [8, 16]}, "axis_steps": {"seq": [2, 0]}})
+    with pytest.raises(InputError) as err:
+        check_feed(unet, {**GOOD, "input_ids": np.zeros((2, 15), np.int64)})
+    assert err.value.message.startswith("input 'input_ids' axis 1 (seq) is 15: engine e's graph takes seq only in ")
+    assert (
+        err.value.message.endswith("; the nearest sizes it takes are 14 and 16") and "8 to 16" not in err.value.message
+    )
+    assert err.value.hint.startswith("pass a size the engine's graph takes"), err.value.hint
+    with pytest.raises(InputError) as err:
+        check_feed(unet, {**GOOD, "input_ids": np.zeros((2, 20), np.int64)})
+    assert err.value.message == "input 'input_ids' axis 1 (seq) is 20: engine e was built for seq from 8 to 16"
+    assert "axis_ranges" in err.value.hint and "steps" not in err.value.message
+
+
 def test_inputs_differing_on_a_shared_axis_keep_their_own_hint_where_the_axis_has_a_range() -> None:
     ids, mask = (TensorSpec(name=name, shape=["batch", "seq"], dtype="int64") for name in ("ids", "mask"))
     tied = META.model_copy(update={"inputs": [ids, mask], "axis_ranges": {"seq": [4, 16]}})
@@ -157,3 +174,69 @@ def test_an_axis_torch_export_fixed_says_to_use_another_engine_not_to_make_it_dy
     assert "signature.dynamic_axes" not in err.value.hint, err.value.hint
     assert err.value.hint.startswith("pass 'tokens' at 12 on axis 1: torch.export fixed that size"), err.value.hint
     assert "ONNX Runtime" in err.value.hint and "TensorRT" in err.value.hint
+
+
+def _lookup_graph(path: Path, dtype: int, scale: int | None = None) -> Path:
+    """``table[t.long()]`` over a table of 10 rows, ``t`` of ``dtype`` [batch]; ``scale``: the index computed as
+    ``t * scale`` first, which the engine's index check does not follow (no range recorded)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    nodes = [helper.make_node("Cast", ["t"], ["t_int"], to=onnx.TensorProto.INT64)]
+    index = "t_int"
+    if scale is not None:
+        scaled = numpy_helper.from_array(np.array(scale, np.int64), "scale")
+        nodes.append(helper.make_node("Constant", [], ["scale"], value=scaled))
+        nodes.append(helper.make_node("Mul", ["t_int", "scale"], ["t_scaled"]))
+        index = "t_scaled"
+    nodes.append(helper.make_node("Gather", ["table", index], ["emb"], name="lookup"))
+    table = numpy_helper.from_array(np.arange(40, dtype=np.float32).reshape(10, 4), "table")
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("t", dtype, ["batch"])],
+        [helper.make_tensor_value_info("emb", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [table],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_a_float_input_cast_to_an_index_is_refused_past_its_table_by_kiln_not_onnx_runtime(tmp_path: Path) -> None:
+    """A diffusion model's float timestep looked up in a table: the engine records its range, and a timestep past
+    the table (or below 0, which ONNX's Gather would read from the end) is Kiln's error naming the input."""
+    import onnx
+
+    from kiln.stages.engines.config import BuildConfig
+    from kiln.stages.engines.stage import build_direct
+
+    src = _lookup_graph(tmp_path / "m.onnx", onnx.TensorProto.FLOAT)
+    meta = build_direct(src, tmp_path / "engine", "onnxruntime", "cpu", None, BuildConfig())
+    assert meta.index_ranges == {"t": [0, 9]}
+    with load_engine(tmp_path / "engine") as runner:
+        assert runner.infer({"t": np.array([9.0], np.float32)})["emb"][0, 0] == 36.0
+        for bad in (5000.0, -1.0):
+            with pytest.raises(InputError, match=rf"^input 't' holds {int(bad)}: engine .* from 0 to 9"):
+                runner.infer({"t": np.array([bad], np.float32)})
+
+
+def test_an_index_past_a_table_the_check_does_not_range_is_kilns_error_naming_the_node(tmp_path: Path) -> None:
+    """An index computed on its way (``t * 2``) has no recorded range: ONNX Runtime's INVALID_ARGUMENT for it becomes
+    Kiln's InputError naming the node, the index and the table's rows, with a fix, not the raw text."""
+    import onnx
+
+    from kiln.stages.engines.config import BuildConfig
+    from kiln.stages.engines.stage import build_direct
+
+    src = _lookup_graph(tmp_path / "m.onnx", onnx.TensorProto.INT64, scale=2)
+    meta = build_direct(src, tmp_path / "engine", "onnxruntime", "cpu", None, BuildConfig())
+    assert meta.index_ranges == {}
+    with load_engine(tmp_path / "engine") as runner:
+        assert runner.infer({"t": np.array([4], np.int64)})["emb"][0, 0] == 32.0
+        with pytest.raises(InputError) as err:
+            runner.infer({"t": np.array([1, 2500], np.int64)})
+    assert err.value.message == (
+        f"engine {meta.name}: node 'lookup' (Gather) got index 5000, outside the 10 rows of the table it reads "
+        "(indices -10 to 9, negative ones counted from its end)"
+    )
+    assert "ONNXRuntimeError" not in err.value.message and "within the rows of the table" in err.value.hint

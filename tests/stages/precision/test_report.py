@@ -77,3 +77,62 @@ def test_an_ort_cpu_graph_not_made_is_not_said_to_be_loaded() -> None:
     md = render_markdown(_report({"variants": {"fp32": {"kept_fp32": 0}, "int8": int8}}))
     assert f"`int8`: {why}; ONNX Runtime CPU engines load the Q/DQ graph instead." in md
     assert "load a graph of their own" not in md
+
+
+def test_without_class_logits_each_variant_shows_its_cosine_and_relative_error() -> None:
+    """A diffusion model's noise prediction (no class logits): the table shows what the check measured, the worst
+    sample's cosine and the relative error, not a top-1 column of '-'; so does the ONNX Runtime CPU graph's line."""
+    fp16 = {"kept_fp32": 0, "top1_agreement": None, "cosine": 0.9999993, "sample_cosine": 0.999998, "rel_err": 0.0012}
+    int8 = {
+        "kept_fp32": 2,
+        "top1_agreement": None,
+        "cosine": 0.99929,
+        "sample_cosine": 0.99873,
+        "rel_err": 0.0384,
+        "ort_cpu_scheme": "static",
+        "ort_cpu_top1_agreement": None,
+        "ort_cpu_cosine": 0.9991,
+        "ort_cpu_sample_cosine": 0.9985,
+        "ort_cpu_rel_err": 0.041,
+        "ort_cpu_kept_fp32": 1,
+    }
+    summary = {"variants": {"fp32": {"kept_fp32": 0}, "fp16": fp16, "int8": int8}, "failed": {"fp8": "no FP8 here"}}
+    md = render_markdown(_report(summary))
+    assert "top-1 agreement" not in md, md
+    assert (
+        "| variant | nodes kept in FP32 | worst-sample cosine vs FP32 graph | relative error vs FP32 graph |" in md
+        and "| fp32 | 0 | - | - |" in md
+        and "| fp16 | 0 | 0.999998 | 0.0012 |" in md
+        and "| int8 | 2 | 0.998730 | 0.0384 |" in md
+        and "| fp8 | **failed, not built** | - | - |" in md
+    )
+    assert "No output is class logits" in md
+    assert (
+        "checked on its own: cosine 0.999100, worst-sample cosine 0.998500, relative error 0.041 with 1 nodes kept "
+        "in float." in md
+    )
+    older = {"kept_fp32": 0, "top1_agreement": None, "cosine": 0.9999993}  # a record of the cosine alone
+    md = render_markdown(_report({"variants": {"fp32": {"kept_fp32": 0}, "fp16": older}}))
+    assert "| variant | nodes kept in FP32 | cosine vs FP32 graph |" in md and "| fp16 | 0 | 0.999999 |" in md, md
+
+
+def test_the_stage_logs_what_the_check_measured() -> None:
+    """The precision stage's line per variant: top-1 agreement where there are class logits, else the cosines and
+    the relative error, not 'top-1 agreement -'."""
+    import logging
+
+    from kiln.stages.precision.stage import _log_variant
+
+    said: list[str] = []
+    log = logging.getLogger("test-precision-log")
+    log.addHandler(handler := logging.Handler())
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    log.setLevel(logging.INFO)
+    vs = {"top1_agreement": None, "cosine": 0.9999993, "sample_cosine": 0.999998, "rel_err": 0.0012}
+    _log_variant(log, "fp16", {"vs_fp32": vs, "kept_fp32": []})
+    _log_variant(log, "int8", {"vs_fp32": {"top1_agreement": 0.99, "cosine": 0.9991}, "kept_fp32": ["a"]})
+    log.removeHandler(handler)
+    assert said == [
+        "fp16 vs FP32 graph: cosine 0.999999, worst-sample cosine 0.999998, relative error 0.0012, 0 nodes kept FP32",
+        "int8 vs FP32 graph: top-1 agreement 0.9900, cosine 0.999100, 1 nodes kept FP32",
+    ]
