@@ -320,8 +320,9 @@ def test_dynamic_spatial_axes_are_not_forced_to_one():
 
 
 def test_dynamic_axes_take_the_sizes_the_data_has():
-    """A 1-D convolution over audio (kernel 20) cannot run at verify_batch samples, nor at 16: with the sizes the export saw
-    in the data (export/dynamic_sizes.json) the net runs the model at the largest of them, and the smallest."""
+    """A 1-D convolution over audio (kernel 20) cannot run at verify_batch samples, nor at 16: with the sizes the
+    export saw in the data (export/dynamic_sizes.json) the net runs the model at the largest of them, and the
+    smallest."""
     m = make_model(
         [N("Conv", ["x", "w"], ["c"]), N("Identity", ["c"], ["y"])],
         [("x", ["N", 1, "T"], FLOAT)],
@@ -337,7 +338,8 @@ def test_dynamic_axes_take_the_sizes_the_data_has():
 
 
 def _audio() -> onnx.ModelProto:
-    """A 1-D convolution over audio (kernel 20, past every size tried without data) on a dynamic ``samples`` axis, and no integer input."""
+    """A 1-D convolution over audio (kernel 20, past every size tried without data) on a dynamic ``samples`` axis,
+    and no integer input."""
     return make_model(
         [N("Conv", ["x", "w"], ["c"]), N("Identity", ["c"], ["y"])],
         [("x", ["N", 1, "samples"], FLOAT)],
