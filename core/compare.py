@@ -29,9 +29,10 @@ STATISTICS: dict[str, str] = {
     "cosine is noise: sample_cosines)",
     "worst_sample": "the row of the batch axis that sample_cosine comes from",
     "top1_agreement": "fraction of rows whose argmax over the class axis agrees (the last; axis 1 of [N, C, H, W] "
-    "maps), a flip on a tie counting as agreement; of class logits with a class axis of one entry (a binary "
-    "classifier's one logit), the agreement of its decision, the logit above its threshold; of a multi-label head's "
-    "logits (agreement 'decision'), the share of (sample, label) pairs whose decision agrees",
+    "maps), a flip on a tie counting as agreement; of class logits with a class axis of one entry, or of one value "
+    "per row (a binary classifier's one logit, [N, 1] or [N]), the agreement of its decision, the logit above its "
+    "threshold; of a multi-label head's logits (agreement 'decision'), the share of (sample, label) pairs whose "
+    "decision agrees",
     "top1_ties": "fraction of rows whose argmax flipped on a tie: the reference's margin between the two classes "
     "within the candidate's own, small error on that row (TIE_SIGMAS robust deviations of its error on the other "
     "classes, at most TIE_MAX_NOISE of the row's spread)",
@@ -63,7 +64,7 @@ MASK_RATIO = 1e3
 @dataclass(frozen=True)
 class OutputStats:
     """The statistics of one output. ``top1_agreement`` is None for outputs without a class axis (rank < 2), or with
-    one of a single entry unless it is a binary classifier's logit (:func:`compare_arrays`'s ``binary_at``). An
+    one of a single entry, unless it is a binary classifier's logit (:func:`compare_arrays`'s ``binary_at``). An
     integer or boolean output (a predicted class, a mask) has no cosine: its ``top1_agreement`` is the share of its
     values that are equal, the decision a class output makes. ``sample_cosine`` is None where there are no samples
     to tell apart (:func:`sample_cosines`). ``agreement`` says what ``top1_agreement`` counts (:data:`Agreement`):
@@ -99,8 +100,9 @@ def compare_arrays(
     the logits without their class axis: the labelled tokens of a token classifier, not its padding).
     ``binary_at``: the output holds class logits, and a class axis of one entry is a binary classifier's one logit,
     whose decision is the value above ``binary_at`` (0 for a logit, 0.5 for a sigmoid's probability): its top-1
-    agreement is that decision's (:func:`_top1`). None: a class axis of one entry has no top-1 (a regression's
-    ``[N, 1]`` values)."""
+    agreement is that decision's (:func:`_top1`), as is that of one logit per row without a class axis (``[N]``).
+    None: a class axis of one entry, or one value per row, has no top-1 (a regression's ``[N, 1]`` or ``[N]``
+    values)."""
     exact = np.asarray(ref).dtype.kind in "iub"
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if r.shape != g.shape:
@@ -345,7 +347,11 @@ def _top1(
     errors and the spread are those of the values not ``shared`` (:func:`set_aside`: a mask's -1e9 would make every
     flip a tie). A class axis of one entry with ``binary_at`` given is one logit z, the two classes' logits
     [``binary_at``, z] (:func:`_two_classes`): its decision, z above ``binary_at``, flips on a tie where the
-    reference's z lies within ``rel_tie`` of the largest distance of its values from ``binary_at``."""
+    reference's z lies within ``rel_tie`` of the largest distance of its values from ``binary_at``; one logit per
+    row without a class axis (``[N]``) is that logit too."""
+    if binary_at is not None and r.ndim == 1:  # [N]: one logit per row, as [N, 1]
+        r, g = r[:, None], g[:, None]
+        shared = None if shared is None else shared[:, None]
     axis = class_axis(r.ndim)
     if binary_at is not None and r.ndim >= 2 and r.shape[axis] == 1:
         r, g, shared = _two_classes(r, g, shared, axis, binary_at)

@@ -68,6 +68,7 @@ def compare_all(
     mismatch_hint: str = REBUILD,
     spread: dict[str, float] | None = None,
     decisions: bool = False,
+    per_row: bool = True,
 ) -> dict[str, OutputStats]:
     """Every output of the reference against the candidate's output of the same name; top-1 agreement only on
     the class-logit output (on a hidden state it would be noise), and with per-position labels only over the
@@ -80,7 +81,9 @@ def compare_all(
     :func:`~kiln.stages.accuracy.metrics.decision_threshold` reads off the reference (0 for a logit). With
     ``decisions`` (a multi-label head's logits: :func:`multi_hot`) each label is such a decision, and the agreement
     is over every (sample, label) pair (:func:`as_decisions`), marked so (``agreement="decision"``: reports and
-    failures name it decision agreement, not top-1).
+    failures name it decision agreement, not top-1). Class logits of one value per row (``[N]``, no class axis) are
+    such a logit too where ``per_row`` (the :class:`Reference`'s :attr:`~Reference.binary_at` says; by default
+    they are, as where the user names them with no data to say otherwise).
     ``mismatch_hint``: the fix when the outputs are not the reference's (names or shapes)."""
     missing = sorted(set(ref) - set(got))
     if missing:
@@ -100,7 +103,8 @@ def compare_all(
     decide = decisions and logits is not None and logits in ref
     if where is None and logits is not None and logits in ref and not decide:
         where = confident_positions(ref[logits])
-    one = logits in ref and (decide or binary_logit(ref[logits]))
+    rows = len(ref[logits]) if per_row and logits in ref and ref[logits].ndim else None
+    one = logits in ref and (decide or binary_logit(ref[logits], rows))
     binary = {logits: decision_threshold(ref[logits])} if one else None
     try:
         masks = {logits: where} if logits is not None and where is not None else None
@@ -591,7 +595,9 @@ class Reference:
     measured at (:func:`scoring_point`; negative counts from the end); None: at none, the labels fit none.
     ``axes`` and ``output_axes``: the inputs' and the outputs' axis names (the outputs' also read off the reference's
     outputs over the validated shapes: :func:`known_output_axes`), by which each output is compared without the
-    padding of the attention mask on its own axis only."""
+    padding of the attention mask on its own axis only. ``per_row``: the rows of the held-out feeds where an output
+    of one value per row (``[N]``) may be a binary classifier's one logit (:func:`binary_logit`: a binary task's,
+    or one the user names with no data to say otherwise), else None."""
 
     def __init__(
         self,
@@ -648,10 +654,14 @@ class Reference:
         self.outputs = [batched(run, feed, batch) for _, feed in self.feeds]  # the largest batch, every shape
         self.output_axes = known_output_axes(output_axes, [p for p, _ in self.feeds], self.outputs)
         self._say_padding_ties()
+        # one value per row ([N], no class axis) is a binary classifier's one logit in a binary task, or where the
+        # user names it with no data to say otherwise (the direct commands)
+        rows = feed_rows(self.feeds[-1][1])
+        self.per_row = rows if (binary_task(data) if data is not None else named) else None
         if self.logits is None and not named:
-            self.logits = binary_default(self.outputs[-1], data) or multi_label_default(self.outputs[-1], data)
+            self.logits = binary_default(self.outputs[-1], data, rows) or multi_label_default(self.outputs[-1], data)
         if self.logits is not None:
-            self.logits = top1_output(self.logits, data, named, self.outputs[-1].get(self.logits))
+            self.logits = top1_output(self.logits, data, named, self.outputs[-1].get(self.logits), self.per_row)
             self._refuse_batch_classes(named, batch, smallest)
         if self.logits is not None:
             self._drop_unfollowed_labels()
@@ -709,13 +719,14 @@ class Reference:
         return True
 
     def _binary_decisions(self) -> float | None:
-        """Where the class logits are a binary classifier's one logit (:func:`binary_logit`): the threshold its
-        decision is taken at (:func:`~kiln.stages.accuracy.metrics.decision_threshold` of the reference's values at
-        the scored point, as :func:`compare_all` takes it), with the 0/1 targets, one per row, as the labels its
-        accuracy is scored against where the data gave no integer labels (float 0/1 targets, as
-        ``binary_cross_entropy_with_logits`` takes them). None: no such output."""
+        """Where the class logits are a binary classifier's one logit (:func:`binary_logit`: ``[N, 1]``, or ``[N]``
+        where :attr:`per_row` says one value per row is one): the threshold its decision is taken at
+        (:func:`~kiln.stages.accuracy.metrics.decision_threshold` of the reference's values at the scored point, as
+        :func:`compare_all` takes it), with the 0/1 targets, one per row, as the labels its accuracy is scored
+        against where the data gave no integer labels (float 0/1 targets, as ``binary_cross_entropy_with_logits``
+        takes them). None: no such output."""
         at = self.outputs[-1 if self.score is None else self.score]
-        if not binary_logit(at.get(self.logits or "")):
+        if not binary_logit(at.get(self.logits or ""), self.per_row):
             return None
         if all(y is None for y in self.point_labels) and (y := binary_labels(self.targets)) is not None:
             self.point_labels = [y] * len(self.feeds)
@@ -1230,16 +1241,17 @@ def regression(data: DatasetSplits) -> bool:
     return not scores
 
 
-def binary_logit(output: np.ndarray | None) -> bool:
-    """A float output with a class axis (:func:`class_axis`) of one entry (``[N, 1]``): as class logits, a binary
-    classifier's one logit per row (or position), whose decision is the logit above 0; as anything else, a value
-    per row (a regression's)."""
-    return (
-        output is not None
-        and output.dtype.kind == "f"
-        and output.ndim >= 2
-        and output.shape[class_axis(output.ndim)] == 1
-    )
+def binary_logit(output: np.ndarray | None, rows: int | None = None) -> bool:
+    """A float output with a class axis (:func:`class_axis`) of one entry (``[N, 1]``), or, where ``rows`` is given
+    (the rows of the batch it answers, in a task that says it is binary: :func:`binary_task`), one value per row
+    without a class axis (``[N]``, a two-tower model's ``(u * v).sum(-1)``): as class logits, a binary classifier's
+    one logit per row (or position), whose decision is the logit above 0; as anything else, a value per row (a
+    regression's)."""
+    if output is None or output.dtype.kind != "f":
+        return False
+    if output.ndim == 1:
+        return rows is not None and len(output) == rows
+    return output.ndim >= 2 and output.shape[class_axis(output.ndim)] == 1
 
 
 def binary_labels(y: Any) -> np.ndarray | None:
@@ -1253,15 +1265,16 @@ def binary_labels(y: Any) -> np.ndarray | None:
     return a.reshape(-1) if bool(np.isin(a, (0, 1)).all()) else None
 
 
-def binary_default(outputs: dict[str, np.ndarray], data: DatasetSplits | None) -> str | None:
+def binary_default(outputs: dict[str, np.ndarray], data: DatasetSplits | None, rows: int | None = None) -> str | None:
     """The default class-logit output (:func:`~kiln.core.outputs.logits_name`: the only output, or ``logits``) where
-    it is a binary classifier's one logit (:func:`binary_logit`) in a binary task (:func:`binary_task`: float 0/1
-    targets with ``num_classes`` 2, which leave a run without class logits otherwise). None elsewhere; float 0/1
-    targets without it beside such an output are warned of, once: they are judged as a regression's."""
+    it is a binary classifier's one logit (:func:`binary_logit`: ``[N, 1]``, or ``[N]`` one value per each of the
+    ``rows`` the outputs answer) in a binary task (:func:`binary_task`: float 0/1 targets with ``num_classes`` 2,
+    which leave a run without class logits otherwise). None elsewhere; float 0/1 targets without it beside such an
+    output are warned of, once: they are judged as a regression's."""
     if data is None:
         return None
     name = logits_name(list(outputs), None)
-    one_logit = name is not None and binary_logit(outputs.get(name))
+    one_logit = name is not None and binary_logit(outputs.get(name), rows)
     if not binary_task(data):
         y = data.train_y if data.train_y is not None else data.val_y
         if one_logit and binary_labels(y) is not None and id(data) not in _SAID_RATE:
@@ -1325,7 +1338,11 @@ def binary_accuracy(logits: np.ndarray, labels: np.ndarray, at: float) -> float 
 
 
 def top1_output(
-    logits: str | None, data: DatasetSplits | None, named: bool = False, output: np.ndarray | None = None
+    logits: str | None,
+    data: DatasetSplits | None,
+    named: bool = False,
+    output: np.ndarray | None = None,
+    rows: int | None = None,
 ) -> str | None:
     """The output whose argmax is a class decision, held to top-1 agreement and scored for accuracy: ``logits``
     where ``named`` (the user set ``signature.logits_output`` to it: declared class logits, unless the data's
@@ -1333,7 +1350,8 @@ def top1_output(
     classes (:func:`declares_classes`; ``data`` None: inputs without labels, the direct commands') and ``output``
     (the reference's, where known) has as many entries along its class axis (:func:`class_axis`) as the data's
     ``num_classes``, or one entry in a binary task (:func:`binary_task`: a binary classifier's one logit,
-    :func:`binary_logit`); else None (logged; as a warning where it has one class more than the data, a no-object
+    :func:`binary_logit`, which without a class axis is one value per each of ``rows``, the rows it answers); else
+    None (logged; as a warning where it has one class more than the data, a no-object
     class: :func:`_say_no_object`). A model's only output is ``logits`` by
     default whatever it holds: without classes, or of another width, it may be an embedding (a ViT backbone without
     its head, one trained with a loss of the user's on labelled data), whose argmax is no class and whose top-1
@@ -1350,7 +1368,7 @@ def top1_output(
     if logits is None or named:
         return logits
     loud = data is None  # the direct commands' user gave the inputs and sees no report: said where they look
-    if data is not None and binary_logit(output) and binary_task(data):
+    if data is not None and binary_logit(output, rows) and binary_task(data):
         return logits  # one logit per row of a two-class task: its decision is the class
     if data is None or not declares_classes(data):
         why = (
@@ -1456,7 +1474,10 @@ def compare_on(
         got = batched(infer, feed, largest)
         whole, answered = value_ordered(ref.unpadded(feed, expected), ref.unpadded(feed, got), ref.by_value)
         spread = spreads(whole)  # how the outputs vary over every held-out row: the spot checks' errors too
-        kept = compare_all(whole, answered, ref.logits, ref.labelled(i), spread=spread, decisions=ref.multi_label)
+        per_row = ref.binary_at is not None
+        kept = compare_all(
+            whole, answered, ref.logits, ref.labelled(i), spread=spread, decisions=ref.multi_label, per_row=per_row
+        )
         out.stats = merge_worst(out.stats, kept)
         for bs in batch_sizes:
             feed_bs = sample_batch(feed, bs)
@@ -1466,7 +1487,13 @@ def compare_on(
             expected_bs, got_bs = ref.unpadded(feed_bs, ref.at_batch(i, bs)), ref.unpadded(feed_bs, got_bs)
             expected_bs, got_bs = value_ordered(expected_bs, got_bs, ref.by_value)
             spot = compare_all(
-                expected_bs, got_bs, ref.logits, ref.labelled(i, bs), spread=spread, decisions=ref.multi_label
+                expected_bs,
+                got_bs,
+                ref.logits,
+                ref.labelled(i, bs),
+                spread=spread,
+                decisions=ref.multi_label,
+                per_row=per_row,
             )
             out.stats = merge_worst(out.stats, {n: _batch_wide(v) for n, v in spot.items()})
         if i == ref.score:

@@ -15,6 +15,7 @@ import inspect
 import logging
 import numbers
 import os
+import re
 import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -274,15 +275,17 @@ def warn_binary(data: DatasetSplits) -> None:
     if not _binary_labels(y):
         return
     shaped = " shaped like the logit (y.view(-1, 1) for an [N, 1] output)" if y.ndim == 1 else ""
+    classes = "" if data.num_classes == 2 else ", num_classes=2 in DatasetSplits (validation then holds its decision)"
     log.warning(
         "%s_y is float %s of 0/1 labels, one per row: float targets train with mean squared error on the model's "
-        "output, with no accuracy or top-1 agreement; for a binary classifier (one logit per row) give labels%s, "
-        "train.loss: torch.nn.functional:binary_cross_entropy_with_logits (on the logit, no final sigmoid) and "
+        "output, with no accuracy; for a binary classifier (one logit per row) give labels%s, train.loss: "
+        "torch.nn.functional:binary_cross_entropy_with_logits (on the logit, no final sigmoid)%s and "
         "validate.metric: multilabel_f1 (the positive class's F1) or a pkg.mod:fn of your own (AUC), or leave them "
         "as they are for regression",
         split,
         list(y.shape),
         shaped,
+        classes,
     )
 
 
@@ -416,22 +419,73 @@ def _output_expr(out: Any) -> str:
     return "outputs[0]"
 
 
-def _loss_fix(task: Task, out: Any) -> str:
-    """The fix for a train.loss that fails on the model's outputs for two samples: how it is called, and a function
-    of the user's that adapts it, reading the output the built-in loss reads (``outputs['logits']``)."""
+def _loss_fix(task: Task, out: Any, y: torch.Tensor, exc: BaseException) -> str:
+    """The fix for a train.loss that fails on the model's outputs for two samples: where the targets ``y`` differ
+    from the output it reads only in shape or dtype and the error says so (:func:`_targets_fix`), how to give them
+    like it; else how it is called, and a function of the user's that adapts it, reading the output the built-in
+    loss reads (``outputs['logits']``), where that is another call than the one that failed."""
     assert task.user_loss is not None
-    read = _output_expr(out)
+    read, pred = _read_output(task, out)
+    fixed = _targets_fix(task.user_loss, read, pred, y, exc)
+    if fixed is not None:
+        return fixed
+    said = (
+        "train.loss takes (outputs, targets), the model's outputs as forward returns them, and returns a scalar "
+        "tensor: name a function that does"
+    )
+    if read == "outputs":  # a wrapper would make the same call that failed
+        return said
+    return f"{said}, or wrap this one in a function of your own: {_wrapper(task.user_loss, read)}"
+
+
+def _read_output(task: Task, out: Any) -> tuple[str, Any]:
+    """How a loss reads the output the built-in loss reads, and that output: the tensor itself, a dict's
+    class-logit output (``outputs['logits']``, or the one ``signature.logits_output`` names; else its first), a
+    tuple's first."""
     if isinstance(out, Mapping):
         try:
             name = logits_name(list(out), task.logits_output)
         except ConfigError:
             name = None
-        read = f"outputs[{name!r}]" if name in out else read
-    return (
-        "train.loss takes (outputs, targets), the model's outputs as forward returns them, and returns a scalar "
-        "tensor: name a function that does, or wrap this one in a function of your own: "
-        + _wrapper(task.user_loss, read)
+        name = name if name in out else next(iter(out), None)
+        return (f"outputs[{name!r}]", out[name]) if name is not None else ("outputs", None)
+    if isinstance(out, (tuple, list)):
+        return "outputs[0]", out[0] if out else None
+    return "outputs", out
+
+
+# What a loss raises where the targets are not shaped like the output it reads (binary_cross_entropy_with_logits'
+# "Target size (...) must be the same as input size (...)", an elementwise op's "The size of tensor a ...") or not
+# of its float dtype ("result type Float can't be cast to the desired output type Long", mse_loss's "Found dtype
+# Long but expected Float")
+SHAPE_CLASH = re.compile(r"\bsize\b|\bshape\b", re.IGNORECASE)
+DTYPE_CLASH = re.compile(r"dtype|result type|can't be cast|scalar type", re.IGNORECASE)
+
+
+def _targets_fix(fn: LossFn, read: str, pred: Any, y: torch.Tensor, exc: BaseException) -> str | None:
+    """The fix for a loss that failed on targets holding one value per value of the float output it reads
+    (``pred``, read as ``read``) but of another shape (``[N]`` beside ``[N, 1]``) or an integer dtype, where its
+    error (``exc``) names a size or a dtype: labels from the data function shaped like the output and of float
+    dtype, or the targets adapted in the call. None where that is not what failed."""
+    if not isinstance(pred, torch.Tensor) or not pred.is_floating_point() or pred.numel() != y.numel():
+        return None
+    reshape, cast, said = tuple(pred.shape) != tuple(y.shape), not y.is_floating_point(), str(exc)
+    if not ((reshape and SHAPE_CLASH.search(said)) or (cast and DTYPE_CLASH.search(said))):
+        return None
+    dims = ", ".join(["-1", *(str(d) for d in pred.shape[1:])])
+    adapt = "targets" + (".float()" if cast else "") + (f".view_as({read})" if reshape else "")
+    given = "y" + (".float()" if cast else "") + (f".view({dims})" if reshape else "")
+    shape = "[" + ", ".join(["N", *(str(d) for d in pred.shape[1:])]) + "]"
+    wants = " and ".join(
+        w for w, needed in ((f"shaped like the output it reads, {shape}", reshape), ("as floats", cast)) if needed
     )
+    name = getattr(fn, "__name__", "fn")
+    call = (
+        f"wrap it in a function of your own: def loss(outputs, targets): return {name}({read}, {adapt})"
+        if from_torch(fn)
+        else f"pass {adapt} to the loss in {name}()"
+    )
+    return f"{loss_name(fn)} takes targets {wants}: return labels {given} from the data function, or {call}"
 
 
 def _scalar_hint(value: Any, out: Any) -> str:
@@ -494,7 +548,8 @@ def _class_count_hint(target: torch.Tensor, num_classes: int) -> str:
         shaped = "[N, 1] (y.float().view(-1, 1))" if target.ndim == 2 else "[N] (y.float())"
         return (
             f"a one-logit head is a binary classifier: give float 0/1 labels shaped like its output {shaped} with "
-            "train.loss: torch.nn.functional:binary_cross_entropy_with_logits, or make the model return two logits "
+            "train.loss: torch.nn.functional:binary_cross_entropy_with_logits and num_classes=2 kept in DatasetSplits "
+            "(validation holds its decision to top-1 agreement and accuracy), or make the model return two logits "
             "[N, 2] for the integer labels (cross-entropy)"
         )
     return "set the model's num_classes to the dataset's, or name the logits output in signature.logits_output"
@@ -590,7 +645,7 @@ def check_task(
     (:func:`~kiln.core.labels.follows_positions`)."""
     if task.user_loss is not None:
         doing = "trying train.loss on the model's outputs for two samples"
-        with loss_errors(task, doing, _loss_fix(task, out)):
+        with loss_errors(task, doing, lambda exc: _loss_fix(task, out, y, exc)):
             value = task.loss(out, y)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__

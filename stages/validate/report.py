@@ -516,8 +516,8 @@ def _no_class_logits(b: Any) -> str:
     error metric, or an output ``signature.logits_output`` names beside float targets (:data:`NAMED_PREDICTION`), are
     a regression's values (``accuracy_note`` says so); several outputs, none named ``logits``, leave
     none by default; else the output that is the default was not held as class logits, which it is only beside
-    integer labels (or ``num_classes`` without labels) and a class axis ``num_classes`` wide
-    (:func:`kiln.stages.accuracy.check.top1_output`)."""
+    integer labels (or ``num_classes`` without labels) and a class axis ``num_classes`` wide, or as one logit per
+    row (``[N, 1]`` or ``[N]``) in a two-class task (:func:`kiln.stages.accuracy.check.top1_output`)."""
     names, metric = b.compared, b.metric_name or (DEFAULT if b.metric is not None else None)
     if b.accuracy_note and (metric in RELATIVE or NAMED_PREDICTION in b.accuracy_note):
         return b.accuracy_note
@@ -529,7 +529,8 @@ def _no_class_logits(b: Any) -> str:
         )
     return (
         f"output '{default}' is taken as class logits by default only beside integer labels (or num_classes without "
-        "labels) with a class axis num_classes wide (a DETR-style head's is one wider, for no object): set "
+        "labels) with a class axis num_classes wide (a DETR-style head's is one wider, for no object), or as one "
+        "logit per row ([N, 1] or [N]) beside 0/1 labels with num_classes=2: set "
         f"`signature.logits_output: {default}` if it holds class logits"
     )
 
@@ -546,6 +547,13 @@ def _coupled(v: ValidationResult) -> str:
     )
 
 
+# Why a named class-logit output of one value per row got no top-1 agreement: only a two-class task's is one logit
+ONE_VALUE_PER_ROW = (
+    "it has no class axis: one value per row, which is a binary classifier's one logit only beside 0/1 labels with "
+    "num_classes=2 in the data"
+)
+
+
 def _measured_on_logits(v: ValidationResult) -> str:
     """What was measured on the class-logit output: top-1 agreement, a multi-label head's decision agreement
     (where an engine gave one, gated or not) and task accuracy (where the reference has one), and why each that was
@@ -557,7 +565,7 @@ def _measured_on_logits(v: ValidationResult) -> str:
     measured = [what for what, done in ((agreement, top1), ("accuracy", b.accuracy is not None)) if done]
     missing = []
     if not top1:
-        why = "no engine was validated here" if not validated else "it has no class axis: one value per row"
+        why = "no engine was validated here" if not validated else ONE_VALUE_PER_ROW
         missing.append(f"no top-1 agreement ({why})")
     if b.accuracy is None:
         missing.append(f"no task accuracy ({b.accuracy_note or 'no labels fit it'})")

@@ -647,7 +647,8 @@ def accuracy_absent(ref: Reference, data: DatasetSplits, named: str | int | None
     if not data.classification:
         y = data.val_y
         packed = (  # num_classes given beside float rows: classes packed with values, which only a metric splits
-            f" {str(y.dtype).removeprefix('torch.')}{list(y.shape)} beside num_classes {data.num_classes}, packed"
+            f" {str(y.dtype).removeprefix('torch.')}{list(y.shape)} beside num_classes {data.num_classes}, which "
+            "hold no class index per row"
             if data.num_classes
             else ""
         )

@@ -46,3 +46,16 @@ def test_only_the_outputs_named_binary_get_a_decision_agreement() -> None:
     got = {"click": -LOGITS, "value": -LOGITS}
     stats = compare_outputs(ref, got, binary_at={"click": 0.0})
     assert stats["click"].top1_agreement == 0.0 and stats["value"].top1_agreement is None
+
+
+def test_one_logit_per_row_without_a_class_axis_agrees_on_its_decision() -> None:
+    """A two-tower model's score ``[N]`` (``(u * v).sum(-1)``), given a threshold, is held to its decision as the
+    same logits ``[N, 1]`` are; without one it stays a value per row with no top-1."""
+    ref, got = LOGITS[:, 0], LOGITS[:, 0].copy()
+    got[2], got[3], got[4] = -0.1, 0.05, 0.2
+    flat = compare_arrays(ref, got, binary_at=0.0)
+    column = compare_arrays(LOGITS, got[:, None], binary_at=0.0)
+    assert flat.top1_agreement == column.top1_agreement == 6 / 8 and flat.top1_ties == 0.0
+    assert compare_arrays(ref, got).top1_agreement is None
+    probabilities = np.array([0.9, 0.4, 0.6, 0.1])
+    assert compare_arrays(probabilities, np.array([0.6, 0.55, 0.6, 0.1]), binary_at=0.5).top1_agreement == 3 / 4

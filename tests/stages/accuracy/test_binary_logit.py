@@ -184,3 +184,96 @@ def test_float_clicks_without_num_classes_are_warned_of_as_judged_a_regression(
     assert ref.logits is None
     said = [r.getMessage() for r in caplog.records if "float 0/1 targets" in r.getMessage()]
     assert len(said) == 1 and "num_classes=2" in said[0]
+
+
+def _score(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A two-tower model's click score: one value per row, no class axis (``(u * v).sum(-1)``)."""
+    return {"logits": (feed["input"] @ W)[:, 0]}
+
+
+def _score_flipping(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = _score(feed)["logits"]
+    return {"logits": np.where(_flipped(feed["input"]), -out, out)}
+
+
+@pytest.mark.parametrize(
+    ("labels", "num_classes"), [("float [N]", 2), ("float [N, 1]", 2), ("integer [N]", 0), ("integer [N]", 2)]
+)
+def test_a_click_score_of_one_value_per_row_is_gated_by_its_decision_as_a_column_is(
+    labels: str, num_classes: int
+) -> None:
+    """A score ``[N]`` in a binary task is the one logit ``[N, 1]`` is: the flipped decisions fail top-1 agreement
+    and move the accuracy, which the reference and the engine both have."""
+    y = torch.from_numpy(CLICK)
+    y = {"float [N, 1]": y, "float [N]": y[:, 0], "integer [N]": y[:, 0].long()}[labels]
+    ref = _reference(_splits(y, num_classes), _score, ["logits"])
+    entry, failures = _judged(ref, _score_flipping)
+    val, truth = X[TRAIN:].numpy(), CLICK[TRAIN:, 0] > 0.5
+    flipped, decisions = _flipped(val), (val @ W)[:, 0] > 0
+    assert ref.logits == "logits" and ref.binary_at == 0.0
+    assert entry.top1_agreement == pytest.approx(1 - flipped.mean())
+    assert ref.accuracy == pytest.approx(np.mean(decisions == truth))
+    assert entry.accuracy == pytest.approx(np.mean((decisions ^ flipped) == truth))
+    assert any(f.startswith("top1_agreement") for f in failures), failures
+    same, none = _judged(ref, _score)
+    assert same.top1_agreement == 1.0 and same.accuracy == ref.accuracy and none == []
+
+
+def _dict_score(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"score": _score(feed)["logits"], "user_vec": feed["input"] @ V}
+
+
+def _dict_score_flipping(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {**_dict_score(feed), "score": _score_flipping(feed)["logits"]}
+
+
+def test_a_named_click_score_of_one_value_per_row_is_held_to_its_decision() -> None:
+    """``signature.logits_output: score`` on a dict of a score ``[N]`` and a user vector, float clicks and
+    num_classes 2: the score is held to its decision's agreement and scored for accuracy."""
+    ref = _reference(_splits(torch.from_numpy(CLICK[:, 0]), 2), _dict_score, ["score", "user_vec"], "score")
+    entry, failures = _judged(ref, _dict_score_flipping)
+    assert ref.logits == "score" and ref.accuracy is not None and entry.accuracy is not None
+    assert entry.outputs["score"]["top1_agreement"] == pytest.approx(1 - _flipped(X[TRAIN:].numpy()).mean())
+    assert entry.outputs["user_vec"]["top1_agreement"] is None and any(f.startswith("top1") for f in failures)
+
+
+@pytest.mark.parametrize(
+    "y",
+    [torch.from_numpy(X.numpy() @ W * 3.0 + 1.0)[:, 0], torch.from_numpy(CLICK[:, 0])],
+    ids=["regression", "float 0/1 without num_classes"],
+)
+def test_a_value_per_row_of_no_binary_task_stays_a_regressions(y: torch.Tensor) -> None:
+    """A prediction ``[N]`` of float targets (0/1 ones too, without num_classes 2) has no decision to agree on."""
+    ref = _reference(_splits(y, 0), _score, ["logits"])
+    entry, failures = _judged(ref, _score_flipping)
+    assert ref.logits is None and entry.top1_agreement is None and entry.accuracy is None
+    assert not any(f.startswith("top1_agreement") for f in failures) and failures
+
+
+def _score_graph() -> onnx.ModelProto:
+    """The click score as a graph: ``input [batch, 4] @ w [4]`` gives ``logits [batch]``."""
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["input", "w"], ["logits"])],
+        "score",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch"])],
+        [numpy_helper.from_array(W[:, 0], "w")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_the_precision_stage_holds_a_click_score_to_its_decision() -> None:
+    """The precision stage's check on a score ``[batch]`` beside float clicks and num_classes 2, and the direct
+    command's on a score the user names (no data to say otherwise): both hold it to its decision's agreement."""
+    from kiln.core.onnx_io import io_specs
+    from kiln.stages.precision.gate import GateCheck
+    from kiln.stages.precision.stage import held_out_check
+
+    model = _score_graph()
+    src = SimpleNamespace(model=model, logits=None)
+    check = held_out_check(_ctx(None), _splits(torch.from_numpy(CLICK[:, 0]), 2), src, io_specs(model)[0])
+    verdict = check(model, "fp32")
+    assert check.ref.logits == "logits" and verdict.metrics["top1_agreement"] == 1.0
+    assert check.ref.accuracy is not None
+    named = GateCheck.on_samples(model, X.numpy()[:32], 0)
+    assert named.ref.binary_at == 0.0 and named(model, "fp32").metrics["top1_agreement"] == 1.0

@@ -428,6 +428,54 @@ def test_a_library_loss_failing_on_two_samples_is_named() -> None:
     assert e.value.hint.startswith("train.loss takes (outputs, targets)")
 
 
+def _own_bce(outputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.binary_cross_entropy_with_logits(outputs["score"], targets)
+
+
+@pytest.mark.parametrize(
+    ("loss", "out", "y", "fix"),
+    [
+        (
+            torch.nn.functional.binary_cross_entropy_with_logits,
+            torch.zeros(2, 1),
+            torch.tensor([0.0, 1.0]),
+            "takes targets shaped like the output it reads, [N, 1]: return labels y.view(-1, 1) from the data "
+            "function, or wrap it in a function of your own: def loss(outputs, targets): return "
+            "binary_cross_entropy_with_logits(outputs, targets.view_as(outputs))",
+        ),
+        (
+            torch.nn.functional.binary_cross_entropy_with_logits,
+            torch.zeros(2),
+            torch.tensor([0, 1]),
+            "takes targets as floats: return labels y.float() from the data function, or wrap it in a function of "
+            "your own: def loss(outputs, targets): return binary_cross_entropy_with_logits(outputs, targets.float())",
+        ),
+        (
+            torch.nn.functional.binary_cross_entropy_with_logits,
+            torch.zeros(2, 1),
+            torch.tensor([0, 1]),
+            "takes targets shaped like the output it reads, [N, 1] and as floats: return labels "
+            "y.float().view(-1, 1) from the data function",
+        ),
+        (
+            _own_bce,
+            {"score": torch.zeros(2, 1), "user_vec": torch.zeros(2, 4)},
+            torch.tensor([0.0, 1.0]),
+            "pass targets.view_as(outputs['score']) to the loss in _own_bce()",
+        ),
+    ],
+    ids=["[N] beside [N, 1]", "integer beside [N]", "both", "own function"],
+)
+def test_a_loss_failing_on_the_targets_shape_or_dtype_is_told_how_to_shape_them(
+    loss: Any, out: Any, y: torch.Tensor, fix: str
+) -> None:
+    """The fix repeated the failing call as the wrapper to write; it now says how to give the targets."""
+    with pytest.raises(UserCodeError) as err:
+        check_task(Task("classification", None, loss), out, y, 2, "m")
+    assert fix in err.value.hint, err.value.hint
+    assert "return binary_cross_entropy_with_logits(outputs, targets)" not in err.value.hint
+
+
 @pytest.mark.parametrize(
     ("train_y", "loss", "warned"),
     [
@@ -449,6 +497,7 @@ def test_zero_one_float_labels_one_per_row_are_warned_of_as_binary(
         assert said[0].startswith(f"train_y is float {list(train_y.shape)} of 0/1 labels, one per row")
         assert "mean squared error" in said[0] and "validate.metric: multilabel_f1" in said[0]
         assert "train.loss: torch.nn.functional:binary_cross_entropy_with_logits" in said[0]
+        assert "num_classes=2 in DatasetSplits (validation then holds its decision)" in said[0]
         # labels [N] beside an [N, 1] logit: the loss and the metric both take them shaped like it
         assert ("y.view(-1, 1)" in said[0]) == (train_y.ndim == 1)
 
@@ -469,6 +518,7 @@ def test_integer_labels_beside_one_logit_are_told_of_binary_cross_entropy(logits
         check_task(Task("classification"), logits, torch.tensor([0, 1]), 2, "m")
     assert f"float 0/1 labels shaped like its output {shaped}" in err.value.hint
     assert "binary_cross_entropy_with_logits" in err.value.hint and "two logits [N, 2]" in err.value.hint
+    assert "num_classes=2 kept in DatasetSplits" in err.value.hint  # float labels without it are a regression's
     with pytest.raises(ModelError) as err:  # too few of several logits: the model's class count
         check_task(Task("classification"), torch.zeros(2, 2), torch.tensor([0, 2]), 3, "m")
     assert err.value.hint.startswith("set the model's num_classes")

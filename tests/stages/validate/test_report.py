@@ -199,7 +199,8 @@ def test_the_compared_outputs_say_only_what_was_measured_on_the_class_logits() -
     neither = _compared_line(None, None, note)
     assert "top-1 agreement and accuracy" not in neither and "top-1 agreement on" not in neither, neither
     assert (
-        "class-logit output 'click': no top-1 agreement (it has no class axis: one value per row) and no task "
+        "class-logit output 'click': no top-1 agreement (it has no class axis: one value per row, which is a "
+        "binary classifier's one logit only beside 0/1 labels with num_classes=2 in the data) and no task "
         f"accuracy ({note})"
     ) in neither, neither
 

@@ -457,7 +457,10 @@ def test_float_rows_beside_num_classes_are_said_as_packed_targets() -> None:
     they are, not only that they are no classes."""
     x, y = torch.randn(8, 3), torch.rand(8, 2)
     note = accuracy_absent(SimpleNamespace(accuracy=None, logits="cls", score=-1), DatasetSplits(x, y, x, y, 5))
-    assert note.startswith("the labels are no classes (float targets float32[8, 2] beside num_classes 5, packed): ")
+    assert note.startswith(
+        "the labels are no classes (float targets float32[8, 2] beside num_classes 5, which hold no class index "
+        "per row): "
+    )
     assert "no metric scores them: set validate.metric" in note
 
 
