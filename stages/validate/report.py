@@ -84,7 +84,7 @@ def report_section(v: ValidationResult) -> list[str]:
         "",
         f"## Validation against {against}",
         "",
-        f"Accuracy reference: {_reference(b)} on the CPU, accuracy {fmt(b.accuracy)} on {b.samples} held-out "
+        f"Accuracy reference: {_reference(b)} on the CPU, {_scored(b)} on {b.samples} held-out "
         f"samples{_scored_at(b)}. Speedups are against {against + ' in ONNX Runtime' if onnx_file else against} on the "
         f"engine's own device{'' if onnx_file else ' (eager; other baselines below)'}.",
         *_compared(v),
@@ -297,6 +297,14 @@ def _decisions(b: Any) -> str:
         "top-1 decisions compared (one per sample; for class logits with positions, one per position the "
         "reference is confident at)"
     )
+
+
+def _scored(b: Any) -> str:
+    """The reference's score as the report's first line says it: its accuracy, or where it has none (float
+    targets, a regression) and a metric scored it, that metric (``mse 0.7413``)."""
+    if b.accuracy is None and b.metric is not None:
+        return f"{b.metric_name or DEFAULT} {fmt(b.metric, '.4g')}"
+    return f"accuracy {fmt(b.accuracy)}"
 
 
 def _metric(v: ValidationResult) -> list[str]:

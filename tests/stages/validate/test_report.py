@@ -111,7 +111,7 @@ def _scored(metric: float | None, name: str | None, engines: dict[str, float], *
         e = EngineValidation(name=engine, backend="onnxruntime", precision="int8", device="cpu", status="validated")
         e.passed, e.metric, e.latency_ms, e.gates = True, value, timed, {"max_metric_drop": 0.01}
         entries.append(e)
-    b = Baseline(accuracy=None, samples=8, latency_ms=timed, metric=metric, metric_name=name, **baseline)
+    b = Baseline(**{"accuracy": None, **baseline}, samples=8, latency_ms=timed, metric=metric, metric_name=name)
     return report_section(ValidationResult(passed=True, baseline=b, engines=entries, failures=[]))
 
 
@@ -388,3 +388,14 @@ def test_a_derived_relative_error_limit_is_shown_beside_the_error_it_held() -> N
     )
     header, _, *rows = _table(report_section(v))
     assert dict(zip(header, rows[-1]))["rel err"] == "0.2536 (≤ 0.01414)", rows
+
+
+def test_the_reference_line_of_a_regression_gives_its_metric_not_an_empty_accuracy() -> None:
+    """Float targets have no accuracy: the first line gives the metric the reference scored (mse), not 'accuracy -';
+    a classifier's keeps its accuracy."""
+    first = next(x for x in _scored(0.7413, None, {"int8": 0.75}) if x.startswith("Accuracy reference"))
+    assert ", mse 0.7413 on 8 held-out samples" in first and "accuracy -" not in first, first
+    named = next(x for x in _scored(3.5, "mae", {"int8": 3.6}) if x.startswith("Accuracy reference"))
+    assert ", mae 3.5 on 8 held-out" in named, named
+    classes = next(x for x in _scored(None, None, {}, accuracy=0.9) if x.startswith("Accuracy reference"))
+    assert ", accuracy 0.9" in classes, classes
