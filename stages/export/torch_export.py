@@ -26,6 +26,7 @@ from kiln.core.onnx_io import check_onnx, infer_shapes, load_onnx, rename_values
 from kiln.core.outputs import FlatModel, named_outputs
 from kiln.core.text import first_line, root_cause
 from kiln.core.user_errors import is_user_file, user_frame, where
+from kiln.stages.export.bags import bags_as_lookups
 from kiln.stages.export.graph_inputs import refuse_label_outputs, warn_unused_inputs
 from kiln.stages.export.pinned_sizes import BATCH_FIXED_HINT, BRANCH_FIX, FIXED_SIZE_HINT, pinned_at, size_branch
 from kiln.stages.export.quiet import SHAPES_LOG, quiet_torch
@@ -82,16 +83,17 @@ def export_with_fallback(
     for dynamo in (True, False) if opset >= 18 else (False,):
         pinned: list[str] = []  # where torch.export fixed a size to the example's
         try:
-            placed = _export(
-                FlatModel(model, example),
-                tuple(tensors(example)),
-                ins,
-                placeholders,
-                path,
-                opset,
-                {p: axes[n] for p, n in zip(ins, names)},
-                dynamo,
-            )
+            with bags_as_lookups(model):  # padded bags as a lookup and a sum, not a Loop over the bags
+                placed = _export(
+                    FlatModel(model, example),
+                    tuple(tensors(example)),
+                    ins,
+                    placeholders,
+                    path,
+                    opset,
+                    {p: axes[n] for p, n in zip(ins, names)},
+                    dynamo,
+                )
             fixed, pinned = ([], placed) if dynamo else (placed, [])
             lost = _lost_axes(path, dict(zip(ins, names)), axes)
             if not lost:
