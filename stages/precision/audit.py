@@ -2,7 +2,9 @@
 shapes at concrete sizes) and the precision the graph gives it — a MatMul/Conv fed by a DequantizeLinear
 or an integer op is INT8, one on FP16 tensors FP16, the rest FP32. An op no runtime computes in integers from Q/DQ
 (LSTM/GRU/RNN, DFT/STFT: :data:`FLOAT_ONLY`) is FP32 behind a DequantizeLinear too: it runs on the dequantized
-values; ONNX Runtime's dynamic quantization computes an LSTM in integers (DynamicQuantizeLSTM: INT8).
+values; ONNX Runtime's dynamic quantization computes an LSTM in integers (DynamicQuantizeLSTM: INT8). In an ONNX
+Runtime engine's graph, whose Q/DQ pairs ONNX Runtime has fused into integer ops where it computes in integers, a
+float op still behind a DequantizeLinear (a ConvTranspose: no integer kernel on its CPU provider) is FP32.
 
 The compute nodes, each counted by a standard formula from its shapes: MatMul, Gemm, Conv, ConvTranspose,
 DeformConv and their fused and integer forms (2 x multiply-adds); LSTM, GRU and RNN (their gates' GEMMs at every
@@ -33,6 +35,7 @@ the device's peak. onnx's shape inference does the shapes; what no library count
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections import Counter
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
@@ -46,7 +49,15 @@ import onnx
 from onnx import numpy_helper
 
 from kiln.core.errors import ModelError
-from kiln.core.onnx_io import cast_to, infer_shapes, light_model, load_onnx, ort_session, traced_back
+from kiln.core.onnx_io import (
+    cast_to,
+    infer_shapes,
+    light_model,
+    load_onnx,
+    ort_session,
+    session_options,
+    traced_back,
+)
 
 # ONNX's compute ops and ONNX Runtime's fused forms of them (com.microsoft; their FLOPs count where shapes are known)
 COMPUTE = {"MatMul", "Gemm", "Conv", "ConvTranspose", "DeformConv", "FusedMatMul", "FusedConv", "FusedGemm"}
@@ -89,6 +100,9 @@ class Audit:
     uncounted_ops: dict[str, Counter[str]] = field(default_factory=dict)
     largest: int = 0
     weight_flops: int = 0  # of MatMul/Gemm nodes whose second operand is a weight (linear layers)
+    # a runtime's fused graph (``audit_graph``'s ``fused``): the compute nodes, by name, that stay float ops behind a
+    # DequantizeLinear (name -> op: the runtime fused them into no integer op, they compute on dequantized values)
+    float_behind_dq: dict[str, str] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)  # the dynamic axis sizes the FLOPs are counted at
     by_node: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # name -> op, precision, FLOPs (counted)
 
@@ -127,6 +141,7 @@ class Audit:
             "uncounted_nodes": dict(self.uncounted),
             "uncounted_ops": {op: dict(by) for op, by in sorted(self.uncounted_ops.items())},
             "counted_at": self.sizes,
+            **({"float_behind_dq": dict(Counter(self.float_behind_dq.values()))} if self.float_behind_dq else {}),
         }
 
     def elsewhere(self, precision: str, kept: Collection[str] = ()) -> tuple[int, Counter[str]]:
@@ -154,10 +169,15 @@ def share_floor(share: dict[str, float], total: int, uncounted: Mapping[str, int
     return {p: round(v * total / (total + largest * against[p]), 4) for p, v in share.items()}
 
 
-def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = None, run: bool = True) -> Audit:
+def audit_graph(
+    model: onnx.ModelProto | Path, sizes: dict[str, int] | None = None, run: bool = True, fused: bool = False
+) -> Audit:
     """The graph's compute nodes by precision and FLOPs for one sample: batch 1, each other named axis at
     ``sizes`` (1 where not given). ``run``: the graph may run once on ONNX Runtime for the shapes both shape
-    inferences leave unknown (:func:`_run_shapes`); False where only the node counts are wanted."""
+    inferences leave unknown (:func:`_run_shapes`); False where only the node counts are wanted. ``fused``: the
+    graph is one a runtime has already fused its Q/DQ pairs in (ONNX Runtime's optimized graph, where what it runs in
+    integers is a QLinear*/integer op): a float compute op still behind a DequantizeLinear runs in float there. Not
+    fused (a graph before its build, TensorRT's input), such an op is the precision it was quantized to."""
     given = model
     m = load_onnx(model, load_external_data=False) if isinstance(model, Path) else model
     light, _ = light_model(m)
@@ -182,11 +202,13 @@ def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = No
     after = _after_control_flow(m.graph)
     out = Audit(sizes=used)
     for node, owner in nested:  # runs as many times as its Loop says, or in one branch of an If: not per sample
-        precision = _precision(node, producer, types, inits)
+        precision = _precision(node, producer, types, inits, fused)
         out.nodes[precision] += 1
         out.not_counted(f"{node.op_type} (in a {owner})", precision)
     for node in compute:
-        precision = _precision(node, producer, types, inits)
+        precision = _precision(node, producer, types, inits, fused)
+        if fused and node.op_type not in INTEGER and _quantized(node, producer, types, inits):
+            out.float_behind_dq[node.name or node.output[0]] = node.op_type
         flops = _flops(node, shapes, scalars, opset)
         out.nodes[precision] += 1
         if flops is None:
@@ -242,24 +264,37 @@ def compute_precisions(model: onnx.ModelProto | Path) -> Counter[str]:
 
 
 def _precision(
-    node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], types: dict[str, int], inits: set[str]
+    node: onnx.NodeProto,
+    producer: dict[str, onnx.NodeProto],
+    types: dict[str, int],
+    inits: set[str],
+    fused: bool = False,
 ) -> str:
-    """An integer op computes in INT8; a node fed by a DequantizeLinear (its first two operands: activation and
-    weight) in what was quantized (Q/DQ: float8 or an 8-bit integer), unless its weight is a plain float
-    (:func:`_float_weight`: a layer kept in float, whose input the layer before quantized, runs in float) or it is
-    an op of :data:`FLOAT_ONLY` (a DFT, an LSTM), which no runtime computes in integers (it runs on the dequantized
-    values in float); any other in its operands' float type."""
+    """An integer op computes in INT8; a node fed by a DequantizeLinear (:func:`_quantized`) in what was quantized
+    (Q/DQ: float8 or an 8-bit integer), unless the graph is a runtime's ``fused`` one (what it did not fuse into an
+    integer op runs on the dequantized values in float); any other in its operands' float type."""
     if node.op_type in INTEGER:
         return "int8"
-    operands = [i for i in node.input[:2] if i]
-    dequantized = [dq for i in operands if (dq := _dequantized(i, producer)) is not None]
-    float_weight = any(_float_weight(i, producer, types, inits) for i in operands)
-    if dequantized and not float_weight and node.op_type not in FLOAT_ONLY:
+    dequantized = _quantized(node, producer, types, inits)
+    if dequantized and not fused:
         float8 = any(types.get(dq.input[0]) in FLOAT8 for dq in dequantized)
         return "fp8" if float8 else "int8"
     # the activation's type, else (a fused op shape inference cannot see through) the weight's
     elem = types.get(node.input[0]) or (types.get(node.input[1]) if len(node.input) > 1 else None)
     return "fp16" if elem == onnx.TensorProto.FLOAT16 else "fp32"
+
+
+def _quantized(
+    node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], types: dict[str, int], inits: set[str]
+) -> list[onnx.NodeProto]:
+    """The DequantizeLinear nodes a float compute node computes on as a quantized layer (its first two operands:
+    activation and weight); none where its weight is a plain float (:func:`_float_weight`: a layer kept in float,
+    whose input the layer before quantized, runs in float) or it is an op of :data:`FLOAT_ONLY` (a DFT, an LSTM),
+    which no runtime computes in integers (it runs on the dequantized values in float)."""
+    operands = [i for i in node.input[:2] if i]
+    if node.op_type in FLOAT_ONLY or any(_float_weight(i, producer, types, inits) for i in operands):
+        return []
+    return [dq for i in operands if (dq := _dequantized(i, producer)) is not None]
 
 
 # Ops that move or relabel values without computing on them: a DequantizeLinear's output through them is still
@@ -551,7 +586,8 @@ def engine_audit(
     lowbit_share: float | None = None,
 ) -> dict[str, Any]:
     """An engine's audit: FLOPs per sample from its source graph, precision shares from the graph it runs (an ONNX
-    Runtime engine's optimized graph; its fused ops count by node where their shapes are not inferable), or
+    Runtime engine's optimized graph, as its CPU provider fuses it: :func:`_as_fused`; its fused ops count by node
+    where their shapes are not inferable, and a float op it left behind a DequantizeLinear counts in float), or
     ``declared`` by its builder (a torch engine cast to one dtype; TensorRT's own choice per layer), said in
     ``method``. A torch FP8/INT8 engine declares ``lowbit_share``: the share of its linear layers' FLOPs that its
     swapped layers compute (:mod:`kiln.stages.engines.torch.lowbit`), applied to the source graph's FLOPs on weights.
@@ -570,7 +606,10 @@ def engine_audit(
         return {**record, "share": whole, "share_floor": whole, "method": "declared by the builder (dtype)"}
     if engine_graph is None:
         return {**record, "method": "source graph"}
-    ran = audit_graph(engine_graph, sizes)
+    ran = audit_graph(_as_fused(engine_graph), sizes, fused=True)
+    if ran.float_behind_dq:  # the source graph's count of them too, where the engine graph's FLOPs fall short
+        _floated(src, ran.float_behind_dq)
+        record = src.record()
     if ran.total >= 0.9 * src.total > 0:
         counted = {k: v for k, v in ran.record().items() if k not in ("flops_per_sample", "counted_at")}
         return {**record, **counted, "method": "engine graph, by FLOPs"}
@@ -596,6 +635,44 @@ def engine_audit(
     }
 
 
+def _as_fused(path: Path) -> onnx.ModelProto | Path:
+    """The ONNX Runtime engine graph at ``path`` with its Q/DQ pairs fused as ONNX Runtime's CPU provider fuses them
+    (into QLinearConv, MatMulIntegerToFloat, ...: its extended optimizations), so that a float op still behind a
+    DequantizeLinear is one it runs in float. The file itself where it holds no such op (nothing left to fuse: an
+    FP32 graph, or one ORT's CPU provider already optimized and fused whole); else the graph ORT writes after
+    optimizing it (a build's load fallback saves it unoptimized, and a CUDA engine's is the CUDA provider's, whose
+    Q/DQ convolutions count as the CPU provider runs them); the file as written where ORT cannot."""
+    graph = load_onnx(path, load_external_data=False)
+    producer = {o: n for n in graph.graph.node for o in n.output}
+    types = {t.name: t.data_type for t in graph.graph.initializer}
+    behind = (n for n in graph.graph.node if _is_compute(n) and n.op_type not in INTEGER)
+    if not any(_quantized(n, producer, types, set(types)) for n in behind):
+        return path
+    with tempfile.TemporaryDirectory(prefix="kiln-audit-") as tmp:
+        fused = Path(tmp) / "fused.onnx"
+        try:
+            ort_session(path, options=session_options(optimization="extended", optimized_path=fused))
+            return load_onnx(fused)
+        except Exception as exc:  # a helper for counting: the graph as written is the engine's
+            log.debug("optimizing %s on ONNX Runtime's CPU provider for its audit failed: %s", path.name, exc)
+            return path
+
+
+def _floated(src: Audit, floated: Mapping[str, str]) -> None:
+    """Move the FLOPs of ``src``'s nodes that the engine runs in float (``floated``: name -> op, the engine graph's
+    float ops behind a DequantizeLinear, named as in the source) to fp32, and record them."""
+    for name in floated:
+        op, precision, flops = src.by_node.get(name, ("", "fp32", 0))
+        if precision != "fp32":
+            src.flops[precision] -= flops
+            src.flops["fp32"] += flops
+            src.nodes[precision] -= 1
+            src.nodes["fp32"] += 1
+            src.by_node[name] = (op, "fp32", flops)
+    src.flops, src.nodes = +src.flops, +src.nodes  # no precision left at 0
+    src.float_behind_dq = dict(floated)
+
+
 def _as_fp32(by_precision: Mapping[str, float], gone: list[str]) -> dict[str, Any]:
     """``by_precision`` with the precisions in ``gone`` (the engine no longer computes in them) moved to fp32."""
     out = {p: v for p, v in by_precision.items() if p not in gone}
@@ -615,11 +692,25 @@ def label_problem(audit: dict[str, Any], label: str) -> str | None:
         if floor.get(label, 0.0) < share.get(label, 0.0):
             return _unsized_problem(audit, label, share.get(label, 0.0), floor.get(label, 0.0))
         ran = ", ".join(f"{p} {v:.0%}" for p, v in share.items()) or "nothing counted"
-        return f"labelled {label}, it computes {share.get(label, 0.0):.0%} in {label} ({ran}; {audit.get('method')})"
+        said = f"labelled {label}, it computes {share.get(label, 0.0):.0%} in {label} ({ran}; {audit.get('method')})"
+        return said + _float_behind_dq_note(audit)
     low = _low_label(floor)
     if label == "fp32" and low is not None:
         return f"labelled fp32, its graph computes {floor[low]:.0%} in {low} ({audit.get('method')})"
     return None
+
+
+def _float_behind_dq_note(audit: dict[str, Any]) -> str:
+    """The ops the engine's runtime left in float behind a DequantizeLinear (``float_behind_dq``), named after a
+    refusal: quantized in the graph, they are not in the engine; '' where there are none."""
+    ops = audit.get("float_behind_dq") or {}
+    if not ops:
+        return ""
+    names = ", ".join(_op_count(op, n) for op, n in sorted(ops.items(), key=lambda kv: -kv[1]))
+    return (
+        f"; {names} {'runs' if sum(ops.values()) == 1 else 'run'} in float on the dequantized values: the runtime "
+        "fused no integer op for them"
+    )
 
 
 def in_doubt(audit: dict[str, Any], label: str) -> bool:

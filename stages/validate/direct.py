@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kiln.core.compare import OutputStats
 from kiln.core.errors import InputError, InputFileError, KilnError
 from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, rows_per_call, run_batched
 from kiln.core.inputs import check_batch_axis, random_inputs, recorded_sizes
@@ -17,13 +18,13 @@ from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session,
 from kiln.core.outputs import SINGLE_OUTPUT, host_arrays, logits_name, named_outputs
 from kiln.core.random_ops import RANDOM_HINT
 from kiln.core.records import EngineMetadata, EngineValidation, steps_text, takes_size
-from kiln.core.shapes import graph_axes
+from kiln.core.shapes import axis_names, graph_axes, refuse_unknown_axes, resize, shape_points
 from kiln.core.text import FEATURE_NAMES, short_reason
 from kiln.core.user_errors import out_of_memory, running_user_code
 from kiln.models.determinism import refuse_random
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
-from kiln.stages.accuracy.check import compare_all, direct_top1, gates_for, summarize
+from kiln.stages.accuracy.check import compare_all, direct_top1, gates_for, merge_worst, summarize
 from kiln.stages.engines.backend import check_feed as check_engine_feed
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
@@ -33,6 +34,8 @@ from kiln.stages.validate.stage import ValidateSettings, check_gates, gated_list
 
 log = logging.getLogger("kiln.validate")
 
+Feed = dict[str, np.ndarray]
+RANDOM_FIX = "pass --inputs file.npz with concrete arrays"
 OTHER_MODEL = (
     "validate an engine against the model it was built from (its ONNX file, or its checkpoint with model.name)"
 )
@@ -110,62 +113,138 @@ def reference_outputs(
 
 
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: ValidateSettings) -> EngineValidation:
-    """``engine_dir`` against ``reference`` on every row of ``inputs`` (else random ones); an engine that fixes its
-    batch axis, or whose outputs answer fewer rows a call than it may be fed (a batch-of-one graph network's
-    ``[1, nodes, C]``: :func:`~kiln.core.feeds.rows_per_call`), runs them one batch of that size at a time,
-    the reference too, so every row is compared, and its latency is that batch's. Its headline values are over the
-    outputs its gates hold (``validate.gates.gated_outputs``), as the stage's are."""
+    """``engine_dir`` against ``reference`` on every row of ``inputs`` (else random ones), at each size the user set
+    (:func:`_checks`: every shape point of ``signature.shapes``, each of ``signature.batch_sizes``), the worst of
+    every comparison kept; an engine that fixes its batch axis, or whose outputs answer fewer rows a call than it
+    may be fed (a batch-of-one graph network's ``[1, nodes, C]``: :func:`~kiln.core.feeds.rows_per_call`), runs
+    them one batch of that size at a time, the reference too, so every row is compared. Its latency is timed at the
+    largest shape, at each batch size. Its headline values are over the outputs its gates hold
+    (``validate.gates.gated_outputs``), as the stage's are."""
     meta = read_metadata(engine_dir)
     _refuse_random_graphs(engine_dir, meta, reference)
     # An engine whose inputs share no batch axis (one built before Kiln refused such graphs): said as what it is, not
     # as the row counts of a feed or as inputs of another model
     check_batch_axis(meta.inputs, f"engine {engine_dir.name}")
-    if inputs is not None:
-        feed = read_feed(inputs, meta.inputs, batched=True)
-    else:
-        sizes = [max(v) for v in cfg.signature.shapes.values() if v]
-        feed = random_inputs(
-            meta.inputs,
-            batch=max(cfg.signature.batch_sizes),
-            dynamic=max(sizes) if sizes else recorded_sizes(meta.inputs, meta.axis_ranges, "RANDOM inputs"),
-            hint="pass --inputs file.npz with concrete arrays",
-        )
+    fixed = fixed_batch(meta.inputs) or rows_per_call(meta.inputs, meta.outputs)
+    checks = [(feed, fixed or rows) for feed, rows in _checks(meta, inputs, cfg)]
     # The engine's own refusals (a token id past its table) before the reference runs; sizes past those it was
     # validated for are what this command is for: checked here, said in the log
-    b = fixed_batch(meta.inputs) or rows_per_call(meta.inputs, meta.outputs)
-    parts = in_batches(feed, b) if b is not None else [feed]
-    for part in parts:
-        check_engine_feed(meta, part, allow_outside_ranges=True)
-    _say_new_sizes(meta, parts[0])
-    ref = reference_outputs(reference, feed, cfg, b)
-    with load_engine(engine_dir) as runner:
-        got = run_batched(lambda part: runner.infer(part, allow_outside_ranges=True), feed, b)
-        t = runner.time_ms(parts[0], cfg.validate.warmup, cfg.validate.iterations)
-    for name, r in ref.items():
-        if name in got and got[name].shape != r.shape:
-            raise InputFileError(
-                f"engine output '{name}' has shape {got[name].shape}, the reference's {r.shape}",
-                hint="the engine was built from a different model",
-            )
-    # No labels: accuracy is agreement with the reference, already gated. Every output is compared.
-    setting = _logits_setting(cfg, meta, list(ref))
-    logits = direct_top1(list(ref), setting)
+    parts = [in_batches(feed, b) if b is not None else [feed] for feed, b in checks]
+    for feed_parts in parts:
+        for part in feed_parts:
+            check_engine_feed(meta, part, allow_outside_ranges=True)
+        _say_new_sizes(meta, feed_parts[0])
+    refs = [reference_outputs(reference, feed, cfg, b) for feed, b in checks]
+    gots, times = _run(engine_dir, meta, checks, parts, cfg)
+    setting = _logits_setting(cfg, meta, list(refs[0]))
+    logits = direct_top1(list(refs[0]), setting)
     entry = EngineValidation.of(meta, "validated")
-    axes, out_axes = graph_axes(meta.inputs), graph_axes(meta.outputs)
-    _say_padding_ties(feed, ref, axes, out_axes)
-    unpadded_ref, unpadded_got = without_padding(feed, ref, axes, out_axes), without_padding(feed, got, axes, out_axes)
-    kept = compare_all(unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL)
+    kept, unmeasured = _compared(meta, [feed for feed, _ in checks], refs, gots, logits)
     entry.gates = gates_for(cfg.validate, meta.precision, logits is None)
     summarize(entry, kept, logits, gated_list(entry.gates))  # the headline: what the gates judge
-    _say_no_top1(ref, setting, logits, entry)
-    batch = str(len(next(iter(parts[0].values()))))  # the batch timed: the engine's fixed one, else every row
-    entry.latency_ms = {batch: percentiles(t)}
-    entry.batch_sizes, entry.shapes = [int(batch)], [sizes] if (sizes := _named_sizes(meta, feed)) else []
-    unmeasured = nothing_measured(ref, got)
-    entry.failures = check_gates(entry, None, entry.gates, int(batch)) + unmeasured
+    _say_no_top1(refs[0], setting, logits, entry)
+    entry.latency_ms = {str(batch): percentiles(times[batch]) for batch in sorted(times)}
+    entry.batch_sizes = sorted(times)
+    sizes = [_named_sizes(meta, feed) for feed, _ in checks]
+    entry.shapes = [size for i, size in enumerate(sizes) if size and size not in sizes[:i]]
+    entry.failures = check_gates(entry, None, entry.gates, max(times)) + unmeasured
     entry.passed = not entry.failures
     entry.hints = [NO_FINITE_FIX] if unmeasured else []
     return entry
+
+
+def _run(
+    engine_dir: Path,
+    meta: EngineMetadata,
+    checks: list[tuple[Feed, int | None]],
+    parts: list[list[Feed]],
+    cfg: ValidateSettings,
+) -> tuple[list[Feed], dict[int, list[float]]]:
+    """The engine's outputs on each check's feed (in its calls' rows), and its latency by the batch timed (the
+    engine's fixed one, else a call's rows) at the largest shape (the last of :func:`~kiln.core.shapes.shape_points`),
+    once per batch size there: one timing where the user set no sizes."""
+    largest = _named_sizes(meta, checks[-1][0])
+    times: dict[int, list[float]] = {}
+    with load_engine(engine_dir) as runner:
+        gots = [run_batched(lambda part: runner.infer(part, allow_outside_ranges=True), f, b) for f, b in checks]
+        for (feed, _), feed_parts in zip(checks, parts):
+            if _named_sizes(meta, feed) == largest:
+                batch = len(next(iter(feed_parts[0].values())))
+                times[batch] = runner.time_ms(feed_parts[0], cfg.validate.warmup, cfg.validate.iterations)
+    return gots, times
+
+
+def _checks(meta: EngineMetadata, inputs: Path | None, cfg: ValidateSettings) -> list[tuple[Feed, int | None]]:
+    """The feeds the engine is compared on, each with the rows a call takes (None: every row in one call): at each
+    shape point of ``signature.shapes`` (:func:`~kiln.core.shapes.shape_points`: the smallest sizes together, the
+    corners, the largest together, as the pipeline's validation runs them), each batch size of
+    ``signature.batch_sizes``, where the user set them (a config or ``--set``). ``inputs`` are resized to each point
+    (their own values repeated or cut, as ``kiln precision`` judges at its shapes) and fed all, in calls of each
+    batch size; random inputs are drawn at each point with a batch size's rows. Not set: ``inputs`` as they are, in
+    one call, else random inputs at the largest size of each range the engine records and the largest batch size."""
+    sig = cfg.signature
+    given = sig.model_fields_set
+    shapes = dict(sig.shapes) if "shapes" in given else {}
+    refuse_unknown_axes(shapes, axis_names(meta.inputs))
+    points = shape_points({k: v for k, v in shapes.items() if v})
+    batches: list[int | None] = sorted(set(sig.batch_sizes)) if "batch_sizes" in given else [None]
+    if points != [{}] or batches != [None]:
+        said = ", ".join(" ".join(f"{k}={v}" for k, v in p.items()) for p in points if p)
+        log.info("validating at %s%s", said or "the inputs' sizes", f", batch {batches}" if batches != [None] else "")
+    if inputs is not None:
+        data = read_feed(inputs, meta.inputs, batched=True)
+        axes = graph_axes(meta.inputs)
+        return [(resize(data, axes, p, repeat_floats=True) if p else data, b) for p in points for b in batches]
+    recorded: dict[str, dict[int, int]] | None = None
+    out: list[tuple[Feed, int | None]] = []
+    for point in points:
+        if recorded is None and any(d not in point for d in axis_names(meta.inputs)):
+            recorded = recorded_sizes(meta.inputs, meta.axis_ranges, "RANDOM inputs")  # said once, where used
+        dynamic = _point_sizes(meta, point, recorded or {})
+        for b in batches:
+            rows = b or max(sig.batch_sizes)
+            out.append((random_inputs(meta.inputs, batch=rows, dynamic=dynamic, hint=RANDOM_FIX), b))
+    return out
+
+
+def _point_sizes(
+    meta: EngineMetadata, point: dict[str, int], recorded: dict[str, dict[int, int]]
+) -> dict[str, dict[int, int]]:
+    """Each input's named axes at their sizes in ``point``, the others at ``recorded`` (the engine's own largest),
+    per input and axis (:func:`random_inputs`' form)."""
+    out = {name: dict(axes) for name, axes in recorded.items()}
+    for spec in meta.inputs:
+        for axis, dim in enumerate(spec.shape):
+            if axis and isinstance(dim, str) and dim in point:
+                out.setdefault(spec.name, {})[axis] = point[dim]
+    return out
+
+
+def _compared(
+    meta: EngineMetadata, feeds: list[Feed], refs: list[Feed], gots: list[Feed], logits: str | None
+) -> tuple[dict[str, OutputStats], list[str]]:
+    """Every output of each check compared (padding left out), the worst of each statistic over the checks, and
+    the outputs with nothing measured in any of them."""
+    axes, out_axes = graph_axes(meta.inputs), graph_axes(meta.outputs)
+    kept: dict[str, OutputStats] = {}
+    unmeasured: list[str] = []
+    for feed, ref, got in zip(feeds, refs, gots):
+        for name, r in ref.items():
+            if name in got and got[name].shape != r.shape:
+                raise InputFileError(
+                    f"engine output '{name}' has shape {got[name].shape}, the reference's {r.shape}",
+                    hint="the engine was built from a different model",
+                )
+        # No labels: accuracy is agreement with the reference, already gated. Every output is compared.
+        _say_padding_ties(feed, ref, axes, out_axes)
+        unpadded_ref, unpadded_got = (
+            without_padding(feed, ref, axes, out_axes),
+            without_padding(feed, got, axes, out_axes),
+        )
+        stats = compare_all(unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL)
+        kept = merge_worst(kept, stats) if kept else stats
+        unmeasured += [u for u in nothing_measured(ref, got) if u not in unmeasured]
+    return kept, unmeasured
 
 
 def _logits_setting(cfg: ValidateSettings, meta: EngineMetadata, names: list[str]) -> str | int | None:

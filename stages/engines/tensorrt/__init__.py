@@ -20,7 +20,7 @@ def _build(req: BuildRequest) -> Built:
     from kiln.stages.engines.tensorrt.profiles import check_profiles, default_profiles
 
     profiles = list(req.settings.profiles) or default_profiles(req.inputs, req.max_batch, req.axis_sizes)
-    check_profiles(profiles, req.inputs)
+    check_profiles(profiles, req.inputs, req.axis_sizes)
     built = build_trt_engine(req.onnx_path, req.out, req.precision, req.settings, profiles, req.cache_dir)
     smallest = min(shape.min[0] for profile in profiles for shape in profile.values())
     largest = max(shape.max[0] for profile in profiles for shape in profile.values())

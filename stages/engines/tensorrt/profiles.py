@@ -48,8 +48,11 @@ def default_profiles(
     return [profile]
 
 
-def check_profiles(profiles: Sequence[Profile], inputs: list[TensorSpec]) -> None:
-    """Every profile names exactly the model's inputs, with their rank and fixed dims: else a ConfigError."""
+def check_profiles(
+    profiles: Sequence[Profile], inputs: list[TensorSpec], axis_sizes: dict[str, list[int]] | None = None
+) -> None:
+    """Every profile names exactly the model's inputs, with their rank and fixed dims, and together they take every
+    size of each named axis in ``axis_sizes`` (:func:`check_covers`): else a ConfigError."""
     names = [s.name for s in inputs]
     if not profiles:
         raise ConfigError("no optimization profile to build with", hint="remove build.tensorrt.profiles: []")
@@ -60,10 +63,62 @@ def check_profiles(profiles: Sequence[Profile], inputs: list[TensorSpec]) -> Non
             raise ConfigError(
                 f"{where} does not match the model's inputs {names}: "
                 + ", ".join(filter(None, [unknown and f"unknown {unknown}", missing and f"missing {missing}"])),
-                hint="name every model input once per profile (see `kiln inspect` or the ONNX file)",
+                hint=f"name each of the model's inputs ({', '.join(names)}: the ONNX file's graph inputs) once in "
+                "every profile, with a min, opt and max shape",
             )
         for spec in inputs:
             _check_range(where, spec, profile[spec.name])
+    check_covers(profiles, inputs, axis_sizes or {})
+
+
+def check_covers(profiles: Sequence[Profile], inputs: list[TensorSpec], axis_sizes: dict[str, list[int]]) -> None:
+    """The profiles take every size of each named dynamic axis from its smallest to its largest in ``axis_sizes``
+    (``signature.shapes``, else the data's): those sizes are the engine's recorded ``axis_ranges``, which
+    validation checks and a server passes on, and TensorRT refuses a size no profile takes. Else a ConfigError
+    naming the first size none takes and what they cover."""
+    for name, sizes in axis_sizes.items():
+        spans = [span for profile in profiles if (span := _span(profile, inputs, name)) is not None]
+        if not sizes or not spans:
+            continue  # an axis of no input (an output's): nothing the profiles shape
+        lo, hi = min(sizes), max(sizes)
+        gap = _first_untaken(spans, lo, hi)
+        if gap is None:
+            continue
+        taken = [(a, b) for a, b in sorted(spans) if a <= b]
+        fits = (lo, gap - 1) if gap > lo else (taken[0] if taken else None)
+        narrow = f"signature.shapes={{{name}: [{fits[0]}, {fits[1]}]}}" if fits else "signature.shapes"
+        said = ", ".join(f"{a} to {b}" for a, b in taken) or "no size"
+        raise ConfigError(
+            f"build.tensorrt.profiles take {name} {said}, the engine's sizes (signature.shapes, else the data's) "
+            f"are {name} {lo} to {hi}: it would be validated and served at {name}={gap}, which no profile takes "
+            "(TensorRT refuses it)",
+            hint=f"widen the profiles' min/max on that axis to take {name} {lo} to {hi}, or give sizes the profiles "
+            f"take (--set '{narrow}')",
+        )
+
+
+def _span(profile: Profile, inputs: list[TensorSpec], name: str) -> tuple[int, int] | None:
+    """The sizes of the dynamic axis ``name`` that ``profile`` takes: the overlap of its min..max on every input
+    axis of that name (inputs sharing an axis take one size there); None where no input has it."""
+    ranges = [
+        (profile[spec.name].min[axis], profile[spec.name].max[axis])
+        for spec in inputs
+        for axis, dim in enumerate(spec.shape)
+        if dim == name and spec.name in profile and axis < len(profile[spec.name].min)
+    ]
+    if not ranges:
+        return None
+    return max(a for a, _ in ranges), min(b for _, b in ranges)
+
+
+def _first_untaken(spans: list[tuple[int, int]], lo: int, hi: int) -> int | None:
+    """The smallest size from ``lo`` to ``hi`` in none of ``spans`` (each min..max, inclusive); None: all taken."""
+    size = lo
+    for a, b in sorted(spans):
+        if a > size:
+            break
+        size = max(size, b + 1)
+    return size if size <= hi else None
 
 
 def _check_range(where: str, spec: TensorSpec, rng: ShapeRange) -> None:

@@ -2,7 +2,8 @@
 
 FP16: onnxconverter-common's converter keeping LayerNormalization/Softmax/reductions in FP32 (what TensorRT 11 and
 TensorRT-RTX expect: precision lives in the graph). INT8: onnxruntime.quantization.quantize_static in QDQ format,
-symmetric per-channel weights, as TensorRT requires.
+symmetric per-channel weights, as TensorRT requires; ``int8_cpu``: uint8 activations, what ONNX Runtime's CPU
+provider computes in integers throughout.
 """
 
 from __future__ import annotations
@@ -87,8 +88,15 @@ def fp16_graph(fp32: Path, out: Path) -> Path:
     return out
 
 
-def int8_graph(fp32: Path, out: Path, name: str) -> Path:
+def int8_graph(fp32: Path, out: Path, name: str, cpu: bool = False) -> Path:
+    """The Q/DQ graph, the exporter's zero Conv bias folded to a constant first (ONNX Runtime fuses no Q/DQ Conv
+    with a computed bias into QLinearConv). ``cpu``: activations in uint8, ONNX Runtime CPU's own scheme (Kiln's
+    ORT CPU graph): on x86 its CPU provider fuses every Q/DQ MatMul of those into an integer op, of int8 ones only
+    those whose activation one MatMul reads (a transformer's Q, K and V projections share theirs: left in float)."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    src = out.with_suffix(".folded.onnx")
+    onnx.save(_constant_conv_bias(onnx.load(str(fp32))), str(src))
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
@@ -98,17 +106,31 @@ def int8_graph(fp32: Path, out: Path, name: str) -> Path:
             return next(self.batches, None)
 
     quantize_static(
-        str(fp32),
+        str(src),
         str(out),
         Reader(),
         quant_format=QuantFormat.QDQ,
         per_channel=True,
-        activation_type=QuantType.QInt8,
+        activation_type=QuantType.QUInt8 if cpu else QuantType.QInt8,
         weight_type=QuantType.QInt8,
         op_types_to_quantize=["Conv", "MatMul", "Gemm"],
-        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+        extra_options={"ActivationSymmetric": not cpu, "WeightSymmetric": True, "QuantizeBias": False},
     )
+    src.unlink()
     return out
+
+
+def _constant_conv_bias(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each CastLike of a constant to a float32 value as a Cast to float32, folded: the exporter's
+    zero Conv bias (an Expand of ``CastLike(0, x)``), which gs's folding leaves computed (its second input is not
+    constant)."""
+    graph = gs.import_onnx(model)
+    for node in graph.nodes:
+        if node.op == "CastLike" and isinstance(node.inputs[0], gs.Constant) and node.inputs[1].dtype == np.float32:
+            node.op, node.attrs = "Cast", {"to": onnx.TensorProto.FLOAT}
+            node.inputs = node.inputs[:1]
+    graph.fold_constants().cleanup().toposort()
+    return gs.export_onnx(graph)
 
 
 def zoo_graph(name: str, precision: str, folder: Path) -> Path:
@@ -119,7 +141,7 @@ def zoo_graph(name: str, precision: str, folder: Path) -> Path:
         return fp32
     out = folder / f"{name}-{precision}.onnx"
     if not out.exists():
-        fp16_graph(fp32, out) if precision == "fp16" else int8_graph(fp32, out, name)
+        fp16_graph(fp32, out) if precision == "fp16" else int8_graph(fp32, out, name, precision == "int8_cpu")
     return out
 
 

@@ -81,7 +81,7 @@ def test_an_int8_encoder_s_fp32_attention_counts_at_the_sizes_built_for(tmp_path
     the graph: at a short sequence the engine is mostly INT8, its FLOPs per sample with attention's; at seq 32
     attention is most of its FLOPs and the INT8 label is refused (it used to read "int8 100 %")."""
     src = tmp_path / "attention.onnx"
-    onnx.save(attention(), str(src))
+    onnx.save(attention(quantized_x=True), str(src))
     meta = build_direct(src, tmp_path / "short", "onnxruntime", "cpu", "int8", BuildConfig(), {"seq": [4]})
     linear, attn = 3 * 2 * 4 * 8 * 8, 2 * 2 * 4 * 4 * 8
     assert meta.audit["flops_per_sample"] == linear + attn and meta.audit["share"]["int8"] == 0.75

@@ -94,10 +94,12 @@ def test_recurrent_layers_count_their_flops(op: str, gates: int, layout: int) ->
     assert audit.flops["fp32"] == 2 * 7 * dirs * gates * hidden * (inputs + hidden) and not audit.uncounted
 
 
-def attention(d: int = 8) -> onnx.ModelProto:
+def attention(d: int = 8, quantized_x: bool = False) -> onnx.ModelProto:
     """x [batch, seq, d] -> q, k, v (INT8 Q/DQ MatMuls) -> softmax(q k^T) v: two activation x activation MatMuls in
     FP32. k passes a Slice to the sequence's length, its end taken from x's Shape (as a transformer's position ids
-    are): onnx's shape inference leaves k's length unknown even at concrete input sizes, so both attention MatMuls."""
+    are): onnx's shape inference leaves k's length unknown even at concrete input sizes, so both attention MatMuls.
+    ``quantized_x``: x passes a uint8 Q/DQ pair too, so ONNX Runtime's CPU provider fuses the projections into
+    integer ops (MatMulIntegerToFloat); without it they are weight-only Q/DQ, which it runs in float."""
     inits = [
         numpy_helper.from_array(np.array(0.1, np.float32), "s"),
         numpy_helper.from_array(np.array(0, np.int8), "z"),
@@ -105,11 +107,20 @@ def attention(d: int = 8) -> onnx.ModelProto:
         numpy_helper.from_array(np.array([1], np.int64), "one"),
     ]
     nodes = []
+    if quantized_x:
+        inits += [
+            numpy_helper.from_array(np.array(0.05, np.float32), "xs"),
+            numpy_helper.from_array(np.array(128, np.uint8), "xz"),
+        ]
+        nodes += [
+            helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+            helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+        ]
     for w in "qkv":
         inits.append(numpy_helper.from_array(np.ones((d, d), np.int8), f"w{w}"))
         nodes += [
             helper.make_node("DequantizeLinear", [f"w{w}", "s", "z"], [f"w{w}f"]),
-            helper.make_node("MatMul", ["x", f"w{w}f"], [w], name=f"mm_{w}"),
+            helper.make_node("MatMul", ["xd" if quantized_x else "x", f"w{w}f"], [w], name=f"mm_{w}"),
         ]
     nodes += [
         helper.make_node("Shape", ["x"], ["seq"], start=1, end=2),
