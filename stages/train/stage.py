@@ -7,6 +7,7 @@ writes the weights into the stage's folder; otherwise it trains in this process.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import math
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from kiln.core.data import (
     check_axes_name_inputs,
     check_forward_takes,
     forward_inputs,
+    rebuild,
     rows,
     take,
     tensors,
@@ -367,21 +369,7 @@ def _probe(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, lookup
             return call(model.eval(), x)
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         check_token_ids(model, data, x, lookups)
-        parts = tensors(x)
-        what = (
-            f"input {tuple(parts[0].shape)} ({parts[0].dtype})"
-            if len(parts) == 1
-            else "inputs ("
-            + ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in zip(data.sample_shapes, parts))
-            + ")"
-        )
-        frame = user_frame(exc)
-        raise ModelError(
-            f"model '{model_ref}' cannot take the dataset's {what}: {first_line(exc, 200)}"
-            + (f" (in {where(frame)})" if frame else ""),
-            hint="make data.name/data.params produce what the model expects, or change model.params"
-            + (f" (or fix {frame.name}() in {frame.filename} line {frame.lineno})" if frame else ""),
-        ) from None
+        raise _cannot_take(model, data, x, model_ref, exc) from None
     except Exception as exc:  # any other error of the user's forward: theirs, named by file and line
         err = user_code_error(exc, "checking the model on two samples of the data", f"model '{model_ref}'", model=True)
         if err is None:
@@ -389,6 +377,83 @@ def _probe(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, lookup
         raise err from exc
     finally:
         model.train()
+
+
+def _cannot_take(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, exc: Exception) -> ModelError:
+    """The error for a forward that failed on the probe rows ``x``: each input by name (:func:`_shown_names`),
+    shape and dtype, the forward's own message and line. Its fix names the float inputs to convert where their
+    dtype, not the model, is what failed (:func:`_wrong_float_inputs`): else it points at the data, the model's
+    params and the forward's line."""
+    parts, names = tensors(x), _shown_names(model, x)
+    what = (
+        f"input {tuple(parts[0].shape)} ({parts[0].dtype})"
+        if len(parts) == 1
+        else "inputs (" + ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in zip(names, parts)) + ")"
+    )
+    frame = user_frame(exc)
+    off = _wrong_float_inputs(model, x)
+    if off is not None:
+        wrong, dtype = off
+        hint = _dtype_fix([names[i] for i in wrong], [parts[i].dtype for i in wrong], dtype, data.name)
+    else:
+        hint = "make data.name/data.params produce what the model expects, or change model.params" + (
+            f" (or fix {frame.name}() in {frame.filename} line {frame.lineno})" if frame else ""
+        )
+    return ModelError(
+        f"model '{model_ref}' cannot take the dataset's {what}: {first_line(exc, 200)}"
+        + (f" (in {where(frame)})" if frame else ""),
+        hint=hint,
+    )
+
+
+def _dtype_fix(names: list[str], given: list[torch.dtype], dtype: torch.dtype, data_ref: str) -> str:
+    """The fix for float inputs ``names``, given in dtypes ``given``, that the model takes only in ``dtype`` (its
+    weights'): convert them in the data function ``data_ref``, by name (``x.float()``) or by position."""
+    cast = ".float()" if dtype == torch.float32 else f".to({dtype})"
+    which = " and ".join(f"'{n}' ({str(d).removeprefix('torch.')})" for n, d in zip(names, given))
+    how = ", ".join(n + cast if n.isidentifier() else f"{cast} on input {n}" for n in names)
+    return (
+        f"give input{'s' if len(names) > 1 else ''} {which} as {str(dtype).removeprefix('torch.')}, the dtype of "
+        f"the model's weights ({how} in the data function '{data_ref}')"
+    )
+
+
+def _shown_names(model: nn.Module, x: Any) -> list[str]:
+    """How an error names the inputs ``x``: a dict's keys; for a tuple or list, the forward's positional
+    parameters they fill, as the export names them (their indices where the forward has fewer, or ``*args``);
+    for one tensor, the forward's first parameter (``input`` where it has none)."""
+    if isinstance(x, dict):
+        return [str(k) for k in x]
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C++ forward: no signature to read
+        params = []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p.name for p in itertools.takewhile(lambda p: p.kind in kinds, params)]
+    if isinstance(x, torch.Tensor):
+        return positional[:1] or ["input"]
+    return positional[: len(x)] if len(positional) >= len(x) else [str(i) for i in range(len(x))]
+
+
+def _wrong_float_inputs(model: nn.Module, x: Any) -> tuple[list[int], torch.dtype] | None:
+    """The positions of the float inputs of ``x`` whose dtype is not that of the model's floating parameters (a
+    float64 or float16 tensor against float32 weights), with that dtype, where the forward runs once they are given
+    in it: the data's dtype, not the model, is then what failed. None otherwise."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    parts = tensors(x)
+    if len(dtypes) != 1:
+        return None
+    dtype = dtypes.pop()
+    wrong = [i for i, t in enumerate(parts) if t.is_floating_point() and t.dtype != dtype]
+    if not wrong:
+        return None
+    cast = rebuild(x, [t.to(dtype) if i in wrong else t for i, t in enumerate(parts)])
+    try:
+        with torch.no_grad():
+            call(model.eval(), cast)
+    except Exception:  # noqa: BLE001 - it fails in the weights' dtype too: the dtype is not (only) what failed
+        return None
+    return wrong, dtype
 
 
 def _refuse_random_in_eval(model: nn.Module, x: Any) -> None:
