@@ -9,8 +9,9 @@ from kiln.core.data import DatasetSplits
 
 
 class BagModel(nn.Module):
-    """A recommender-style model: summed embedding bags of token ids, then a linear head. Its export holds a Loop
-    over the bags, which ONNX Runtime's FP16 converter cannot convert."""
+    """A recommender-style model: summed embedding bags of token ids, then a linear head. The bags go to the
+    module as flat ids with offsets, the form whose export holds a Loop over the bags (padded ``[N, L]`` ids
+    export as a lookup and a sum: kiln.stages.export.bags), which ONNX Runtime's FP16 converter cannot convert."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -18,7 +19,8 @@ class BagModel(nn.Module):
         self.head = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.bag(x))
+        offsets = torch.arange(0, x.numel(), x.shape[1], device=x.device)
+        return self.head(self.bag(x.flatten(), offsets))
 
 
 class TwoIn(nn.Module):
