@@ -1206,7 +1206,7 @@ DIRECT_HELP = {
     "optimize": "Optimize an ONNX graph: `kiln optimize model.onnx -o model.opt.onnx`, or WORKDIR/export without "
     "MODEL (MODEL may also be the run config: `kiln optimize kiln.yaml`). A file's dynamic axes besides batch take "
     "their sizes for the check on random inputs from `--set 'signature.shapes={seq: [8, 128]}'` (by the names "
-    "the graph gives them), else optimize.verify_batch.",
+    "the graph gives them), else 16 where the graph takes it and optimize.verify_batch where not.",
     "precision": "FP32/FP16/INT8/FP8 graph variants: `kiln precision model.onnx -o out/ --variants fp16,int8 "
     "--calibration d.npz`, or of WORKDIR/optimize without MODEL (MODEL may also be the run config).",
     "build": "Build engines: `kiln build model.onnx --backend onnxruntime -o out/`, or from WORKDIR/precision (MODEL "

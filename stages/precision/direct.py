@@ -30,7 +30,7 @@ from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import INDEX_HINT, check_tensor_io, index_ranges, io_specs, load_onnx, outside_index
 from kiln.core.progress import SilentProgress
 from kiln.core.records import IntRange, TensorSpec, Variants
-from kiln.core.shapes import Axes, graph_axes, refuse_unknown_axes, resize, shape_points
+from kiln.core.shapes import Axes, axis_names, graph_axes, refuse_unknown_axes, resize, shape_points, shapes_flag
 from kiln.stages.accuracy.check import Reference, direct_top1, own_point
 from kiln.stages.accuracy.refusal import refusing
 from kiln.stages.precision.audit import refuse_low_precision
@@ -237,6 +237,7 @@ def _refuse_outside_index(graph: Any, data: dict[str, np.ndarray], calibration: 
 def _random(inputs: list[TensorSpec], cfg: PrecisionSettings, ids: dict[str, IntRange]) -> dict[str, np.ndarray]:
     """Random calibration inputs; ``ids``: integer inputs drawn over the rows of the table each indexes."""
     sizes = [max(v) for v in cfg.signature.shapes.values() if v]
-    hint = "give --calibration data.npz, or --set signature.shapes='{seq: [8, 128]}' to size dynamic axes"
+    names = axis_names(inputs)
+    hint = "give --calibration data.npz" + (f", or {shapes_flag(names)} to size the dynamic axes" if names else "")
     rows = min(cfg.calibration.batch_size * cfg.calibration.num_batches, 256)
     return random_inputs(inputs, batch=rows, dynamic=max(sizes) if sizes else None, hint=hint, int_ranges=ids)

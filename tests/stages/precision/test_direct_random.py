@@ -41,3 +41,26 @@ def test_an_fp32_model_with_a_float16_input_gets_its_fp16_variant(tmp_path: Path
     out = invoke("precision", tmp_path / "m.onnx", "-o", tmp_path / "v", "--variants", "fp16")
     assert out.exit_code == 0, out.output
     assert (tmp_path / "v" / "fp16" / "model.onnx").is_file()
+
+
+def test_a_dynamic_axis_without_sizes_is_told_by_the_graphs_own_name(tmp_path: Path) -> None:
+    """Random inputs cannot size an axis without signature.shapes: the fix names the graph's axis ('frames'), not a
+    made-up 'seq' with sizes the graph may refuse."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((4, 16, 3), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"])],
+        "mel",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16, "frames"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [w],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "m.onnx")
+    out = invoke("precision", tmp_path / "m.onnx", "-o", tmp_path / "v", "--variants", "int8")
+    assert out.exit_code == 2, out.output
+    text = " ".join(out.output.split())
+    assert "--set 'signature.shapes={frames: [MIN, MAX]}' to size the dynamic axes" in text, text
+    assert "seq" not in text
