@@ -181,7 +181,8 @@ def _checks(meta: EngineMetadata, inputs: Path | None, cfg: ValidateSettings) ->
     ``signature.batch_sizes``, where the user set them (a config or ``--set``). ``inputs`` are resized to each point
     (their own values repeated or cut, as ``kiln precision`` judges at its shapes) and fed all, in calls of each
     batch size; random inputs are drawn at each point with a batch size's rows. Not set: ``inputs`` as they are, in
-    one call, else random inputs at the largest size of each range the engine records and the largest batch size."""
+    one call, else random inputs at the largest size of each range the engine records and the largest batch size
+    (at most the largest the engine takes: :meth:`~kiln.core.records.EngineMetadata.max_batch`)."""
     sig = cfg.signature
     given = sig.model_fields_set
     shapes = dict(sig.shapes) if "shapes" in given else {}
@@ -197,12 +198,14 @@ def _checks(meta: EngineMetadata, inputs: Path | None, cfg: ValidateSettings) ->
         return [(resize(data, axes, p, repeat_floats=True) if p else data, b) for p in points for b in batches]
     recorded: dict[str, dict[int, int]] | None = None
     out: list[tuple[Feed, int | None]] = []
+    limit = meta.max_batch()  # a batch size not set: the largest the engine takes (validated, or its profile's)
+    most = min(max(sig.batch_sizes), limit) if limit else max(sig.batch_sizes)
     for point in points:
         if recorded is None and any(d not in point for d in axis_names(meta.inputs)):
             recorded = recorded_sizes(meta.inputs, meta.axis_ranges, "RANDOM inputs")  # said once, where used
         dynamic = _point_sizes(meta, point, recorded or {})
         for b in batches:
-            rows = b or max(sig.batch_sizes)
+            rows = b or most
             out.append((random_inputs(meta.inputs, batch=rows, dynamic=dynamic, hint=RANDOM_FIX), b))
     return out
 

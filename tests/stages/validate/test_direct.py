@@ -412,3 +412,19 @@ def test_a_size_off_the_graphs_steps_is_said_as_that_not_as_one_to_add(caplog: p
         and "add them" not in said[0]
     )
     assert len(said) == 2 and "add them to signature.batch_sizes / signature.shapes" in said[1]
+
+
+def test_random_inputs_take_the_largest_batch_the_engine_was_validated_for(tmp_path: Path) -> None:
+    """Without --inputs or signature.batch_sizes, the random batch is the engine's largest validated one (4), not
+    the default 32 that its record then warns of."""
+    import json
+
+    from kiln.stages.engines.backend import SIDECAR, read_metadata
+
+    model, engine = tiny_onnx(tmp_path / "m.onnx"), tmp_path / "e"
+    assert invoke("build", model, "-o", engine).exit_code == 0
+    read_metadata(engine).model_copy(update={"validated_batch_sizes": [1, 4]}).write(engine / SIDECAR)
+    out = invoke("validate", engine, "--reference", model)
+    assert out.exit_code == 0, out.output
+    assert "was validated for batches up to 4" not in " ".join(out.output.split())
+    assert json.loads(out.stdout)["batch_sizes"] == [4], out.stdout
