@@ -552,7 +552,10 @@ def _class_count_hint(target: torch.Tensor, num_classes: int) -> str:
             "(validation holds its decision to top-1 agreement and accuracy), or make the model return two logits "
             "[N, 2] for the integer labels (cross-entropy)"
         )
-    return "set the model's num_classes to the dataset's, or name the logits output in signature.logits_output"
+    return (
+        "give the model as many class logits as the dataset has classes (its num_classes; num_labels in a "
+        "transformers config), or name the logits output in signature.logits_output"
+    )
 
 
 def loss_name(fn: LossFn) -> str:

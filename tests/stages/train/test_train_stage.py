@@ -192,6 +192,7 @@ def test_skipped_training_with_logits_that_do_not_fit_the_labels_is_the_training
     result = Runner(cfg, tmp_path / "wd", STAGES).run(stop="train")
     assert "gives class logits of shape (2, 3) for a batch of 2, but the dataset has 10 classes" in str(result.error)
     assert [r.status for r in result.records] == ["failed"]
+    assert "num_labels in a transformers config" in result.error.hint  # the name a transformers user knows
 
 
 def test_a_model_in_bfloat16_is_refused_before_training() -> None:
