@@ -1367,7 +1367,9 @@ def top1_output(
         return None
     if logits is None or named:
         return logits
-    loud = data is None  # the direct commands' user gave the inputs and sees no report: said where they look
+    # the direct commands' user gave the inputs and sees no report: said where they look, unless the output has one
+    # channel on axis 1 past two axes (a waveform [N, 1, T], a one-channel map), which holds no class scores
+    loud = data is None and not (output is not None and output.ndim >= 3 and output.shape[1] == 1)
     if data is not None and binary_logit(output, rows) and binary_task(data):
         return logits  # one logit per row of a two-class task: its decision is the class
     if data is None or not declares_classes(data):

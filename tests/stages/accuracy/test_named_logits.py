@@ -184,3 +184,17 @@ def test_the_hint_to_name_an_unheld_output_is_only_for_class_scores(
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "If it holds class scores, naming it (signature.logits_output=image)" in said, said
     assert "an image or other values need no name" in said
+
+
+def test_a_one_channel_signal_is_not_warned_of_as_unnamed_class_logits(caplog: pytest.LogCaptureFixture) -> None:
+    """A direct command on a vocoder: its waveform [N, 1, T] holds no class scores, so the note that it is not held
+    to top-1 agreement is no warning the user cannot silence; a [N, C] output without labels still is one."""
+    from kiln.stages.accuracy.check import top1_output
+
+    with caplog.at_level("INFO", logger="kiln"):
+        assert top1_output("waveform", None, output=np.zeros((2, 1, 64), np.float32)) is None
+        assert top1_output("logits", None, output=np.zeros((2, 5), np.float32)) is None
+    levels = {
+        r.getMessage().split("'")[1]: r.levelname for r in caplog.records if "not held to top-1" in r.getMessage()
+    }
+    assert levels == {"waveform": "INFO", "logits": "WARNING"}, levels
