@@ -521,4 +521,4 @@ def test_integer_labels_beside_one_logit_are_told_of_binary_cross_entropy(logits
     assert "num_classes=2 kept in DatasetSplits" in err.value.hint  # float labels without it are a regression's
     with pytest.raises(ModelError) as err:  # too few of several logits: the model's class count
         check_task(Task("classification"), torch.zeros(2, 2), torch.tensor([0, 2]), 3, "m")
-    assert err.value.hint.startswith("set the model's num_classes")
+    assert err.value.hint.startswith("give the model as many class logits as the dataset has classes")
