@@ -7,25 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from kiln.core.records import EngineMetadata
 from kiln.serve.server import say_capped
+from tests.serve.served import served
 
 
 def _served(validated: list[int]) -> SimpleNamespace:
-    meta = EngineMetadata(
-        name="e",
-        backend="onnxruntime",
-        device="cpu",
-        precision="fp32",
-        source={"file": "m.onnx", "sha256": "0"},
-        files={"model": "engine"},
-        flavour="onnxruntime",
-        versions={},
-        inputs=[{"name": "input", "shape": ["batch", 8], "dtype": "float32"}],
-        outputs=[{"name": "logits", "shape": ["batch", 4], "dtype": "float32"}],
-        validated_batch_sizes=validated,
-    )
-    return SimpleNamespace(meta=meta, model_name="e_fp32")
+    return served({"input": (["batch", 8], "float32")}, validated)
 
 
 def test_a_max_batch_above_the_validated_batches_is_said_as_capped(caplog: pytest.LogCaptureFixture) -> None:

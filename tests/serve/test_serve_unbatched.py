@@ -8,26 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from kiln.core.records import EngineMetadata
 from kiln.serve.server import say_unbatched
 from kiln.stages.package.triton import served_max_batch
+from tests.serve.served import served
 
 
 def _served(inputs: dict[str, list[int | str]], name: str = "mt_fp32") -> SimpleNamespace:
-    meta = EngineMetadata(
-        name="e",
-        backend="onnxruntime",
-        device="cpu",
-        precision="fp32",
-        source={"file": "m.onnx", "sha256": "0"},
-        files={"model": "engine"},
-        flavour="onnxruntime",
-        versions={},
-        inputs=[{"name": k, "shape": v, "dtype": "int64"} for k, v in inputs.items()],
-        outputs=[{"name": "logits", "shape": ["batch", 4], "dtype": "float32"}],
-        validated_batch_sizes=[1, 8],
-    )
-    return SimpleNamespace(meta=meta, model_name=name)
+    return served({k: (v, "int64") for k, v in inputs.items()}, [1, 8], name)
 
 
 def test_an_engine_with_a_batch_axis_alone_is_said_served_unbatched(caplog: pytest.LogCaptureFixture) -> None:
