@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,14 +62,23 @@ def _reference_error(reference: Path, cfg: ValidateSettings, feed: dict[str, np.
 
 
 def reference_outputs(
-    reference: Path, feed: dict[str, np.ndarray], cfg: ValidateSettings, batch: int | None = None
+    reference: Path,
+    feed: dict[str, np.ndarray],
+    cfg: ValidateSettings,
+    batch: int | None = None,
+    loaded: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Every output of the reference, by name: an ONNX model (ONNX Runtime, CPU; one batch at a time where it fixes
     its batch axis) or a PyTorch checkpoint of ``cfg.model`` (called with the feed's arrays as keyword arguments
-    when there are several); ``batch``: rows a call, as the engine is run (None: every row in one call)."""
+    when there are several); ``batch``: rows a call, as the engine is run (None: every row in one call).
+    ``loaded``: the reference as an earlier call loaded it (the model, or the graph and its session), kept there, so
+    that the checks of several shapes and batch sizes load it once."""
+    loaded = {} if loaded is None else loaded
     if reference.suffix != ".onnx":
-        model = load_weights(build_model(cfg.model.name, cfg.model.params), read_state_dict(reference), str(reference))
-        model = model.float().eval()
+        if "model" not in loaded:
+            built = build_model(cfg.model.name, cfg.model.params)
+            loaded["model"] = load_weights(built, read_state_dict(reference), str(reference)).float().eval()
+        model = loaded["model"]
 
         def run(part: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             x = {k: torch.from_numpy(v) for k, v in part.items()}
@@ -87,8 +97,10 @@ def reference_outputs(
             raise
         except Exception as exc:  # in torch, not the user's file: out of memory, or the inputs are another model's
             raise _reference_error(reference, cfg, feed, exc) from None
-    graph = load_onnx(reference)
-    check_tensor_io(graph, f"reference {reference.name}")
+    if "graph" not in loaded:
+        loaded["graph"] = load_onnx(reference)
+        check_tensor_io(loaded["graph"], f"reference {reference.name}")
+    graph = loaded["graph"]
     specs, _ = io_specs(graph)
     if sorted(s.name for s in specs) != sorted(feed):
         raise InputFileError(
@@ -99,7 +111,7 @@ def reference_outputs(
         check_feed(feed, specs, "the engine's inputs", f"reference {reference.name}", batched=True)  # ranks, sizes
     except InputFileError as exc:
         raise InputError(exc.message, hint=OTHER_MODEL) from None
-    ref_sess = ort_session(graph)
+    ref_sess = loaded["session"] = loaded.get("session") or ort_session(graph)
     names = [o.name for o in ref_sess.get_outputs()]
     try:
         return run_batched(lambda part: dict(zip(names, ref_sess.run(None, part))), feed, fixed_batch(specs) or batch)
@@ -134,7 +146,8 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
         for part in feed_parts:
             check_engine_feed(meta, part, allow_outside_ranges=True)
         _say_new_sizes(meta, feed_parts[0])
-    refs = [reference_outputs(reference, feed, cfg, b) for feed, b in checks]
+    loaded: dict[str, Any] = {}  # the reference, loaded once for every check
+    refs = [reference_outputs(reference, feed, cfg, b, loaded) for feed, b in checks]
     gots, times = _run(engine_dir, meta, checks, parts, cfg)
     setting = _logits_setting(cfg, meta, list(refs[0]))
     logits = direct_top1(list(refs[0]), setting)

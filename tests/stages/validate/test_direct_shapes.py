@@ -86,3 +86,19 @@ def test_a_shape_the_engine_has_no_axis_for_is_one_error(tmp_path: Path) -> None
     )
     assert out.exit_code == 2 and "error: signature.shapes names axes ['t']" in out.output, out.output
     assert "Traceback" not in out.output
+
+
+def test_the_reference_is_loaded_once_for_every_shape_point_and_batch_size(tmp_path: Path, monkeypatch) -> None:
+    """Four checks (two shape points, two batch sizes) opened the reference's ONNX Runtime session four times."""
+    import kiln.stages.validate.direct as direct
+
+    opened: list[object] = []
+    real = direct.ort_session
+    monkeypatch.setattr(direct, "ort_session", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    engine, sets = (
+        _engine(tmp_path),
+        ("--set", "signature.shapes={seq: [3, 12]}", "--set", "signature.batch_sizes=[1,4]"),
+    )
+    out = invoke("validate", engine, "--reference", tmp_path / "m.onnx", *sets)
+    assert out.exit_code == 0, out.output
+    assert len(_answer(out)["shapes"]) == 2 and len(opened) == 1, opened
