@@ -219,7 +219,10 @@ def _checks(meta: EngineMetadata, inputs: Path | None, cfg: ValidateSettings) ->
         dynamic = _point_sizes(meta, point, recorded or {})
         for b in batches:
             rows = b or most
-            out.append((random_inputs(meta.inputs, batch=rows, dynamic=dynamic, hint=RANDOM_FIX), b))
+            feed = random_inputs(
+                meta.inputs, batch=rows, dynamic=dynamic, hint=RANDOM_FIX, int_ranges=meta.index_ranges
+            )
+            out.append((feed, b))
     return out
 
 

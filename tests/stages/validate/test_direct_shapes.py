@@ -102,3 +102,23 @@ def test_the_reference_is_loaded_once_for_every_shape_point_and_batch_size(tmp_p
     out = invoke("validate", engine, "--reference", tmp_path / "m.onnx", *sets)
     assert out.exit_code == 0, out.output
     assert len(_answer(out)["shapes"]) == 2 and len(opened) == 1, opened
+
+
+def test_random_inputs_of_a_float_index_are_drawn_within_its_table(tmp_path: Path) -> None:
+    """A float timestep the graph casts to an index into 10 rows: standard normal values (-1.3) are outside the
+    range the engine records, and kiln validate ENGINE without --inputs refused its own random inputs."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["t"], ["ti"], to=TensorProto.INT64),
+            helper.make_node("Gather", ["table", "ti"], ["y"]),
+        ],
+        "timestep",
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, ["batch"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [numpy_helper.from_array(np.arange(40, dtype=np.float32).reshape(10, 4), "table")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "t.onnx")
+    assert invoke("build", tmp_path / "t.onnx", "-o", tmp_path / "e").exit_code == 0
+    out = invoke("validate", tmp_path / "e", "--reference", tmp_path / "t.onnx")
+    assert out.exit_code == 0, out.output
+    assert _answer(out)["passed"]
