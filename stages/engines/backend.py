@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from kiln.core.artifacts import hash_file
 from kiln.core.errors import InputError, InputFileError
-from kiln.core.records import EngineMetadata, PrecisionVariant, TensorSpec
+from kiln.core.records import EngineMetadata, IntRange, PrecisionVariant, TensorSpec
 from kiln.core.sections import Section
 from kiln.core.signature import BATCH_AXIS
 from kiln.core.text import first_line
@@ -59,6 +59,9 @@ class BuildRequest:
     # stage's precision audit, which raises for an engine its label misstates, so such an engine costs no load
     # check or autotuning (and ONNX Runtime never opens at full load optimization a graph it would refuse).
     check_graph: Callable[[Path], None] | None = None
+    # The values each input that indexes a table may hold (kiln-engine.json's ``index_ranges``): what a backend's own
+    # example inputs draw, so a float timestep the model casts to an index stays within its table.
+    index_ranges: dict[str, IntRange] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ def build_engine(
             torch_model=torch_model,
             calibration=calibration,
             check_graph=early,
+            index_ranges=_index_ranges(graph, inputs, int_ranges or {}),
         )
         with naming_source(out, onnx_path):
             built = chosen.build(request)

@@ -248,6 +248,15 @@ def _example_sizes(req: BuildRequest) -> dict[str, dict[int, int]] | None:
     return largest_sizes(req.inputs, req.axis_sizes)
 
 
+def _example_feed(req: BuildRequest, batch: int) -> dict[str, Any]:
+    """Random inputs of ``batch`` rows at :func:`_example_sizes`, each index within the table it indexes
+    (``req.index_ranges``: a float timestep the model casts to an index is drawn as a whole number in range, where
+    standard normal values would index row -1 and PyTorch's embedding refuses it)."""
+    return random_inputs(
+        req.inputs, batch=batch, dynamic=_example_sizes(req), hint=AXIS_HINT, int_ranges=req.index_ranges
+    )
+
+
 def _dynamic_shapes(req: BuildRequest) -> tuple[tuple[dict[int, Any], ...]]:
     """torch.export's ``dynamic_shapes`` for ``forward(*xs)``: the first axes (1..max batch; the example is batch 2
     because torch.export specializes sizes 0 and 1), one ``Dim`` per name (a two-tower model's texts and images
@@ -297,7 +306,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     )
     check_inductor_keys(settings["inductor"])
     model = model.to(req.device, dtype=_dtype(req.precision))
-    feed = random_inputs(req.inputs, batch=2, dynamic=_example_sizes(req), hint=AXIS_HINT)
+    feed = _example_feed(req, 2)
     args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
     if reason := _autocast_reason(model, req, args):
         settings.update(autocast=True, autocast_reason=reason)
@@ -628,10 +637,9 @@ def _compile_and_warm(req: BuildRequest, settings: dict[str, Any], cuda_graphs: 
     cfg = req.settings  # explicit settings warn when nothing is rewritten (auto applies to every model)
     explicit = {"gemm": cfg.gemm_epilogues != "auto", "conv": cfg.conv_epilogues != "auto"}
     run, rewrites = compile_program(req.out / PROGRAM, settings, cuda_graphs, warn_if_nothing_fused=explicit)
-    sizes = _example_sizes(req)
     with torch.inference_mode():
         for batch in warm_batches(req.max_batch):
-            feed = random_inputs(req.inputs, batch=batch, dynamic=sizes, hint=AXIS_HINT)
+            feed = _example_feed(req, batch)
             run_compiled(run, [torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs])
     if settings.get("gemm_algorithms") == "measured":
         return {**rewrites, "gemm_algorithm_choices": cublaslt.choices()}
