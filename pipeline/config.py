@@ -98,6 +98,11 @@ class KilnConfig(Section):
 # A value quoted back longer than this is a section or a list the message already points into: left out
 MAX_QUOTED = 80
 PRINTS_KEYS = "`kiln config` prints every key and its default"
+# Keys whose value below their least is most often meant as something else, with the fix that says what
+BELOW_LEAST_FIXES = {
+    "train.epochs": "to skip training, set train.enabled: false (model.checkpoint loads your weights); else give "
+    "train.epochs 1 or more",
+}
 
 
 def _explain(err: ValidationError, source: str, given: dict[str, str]) -> ConfigError:
@@ -186,6 +191,8 @@ def _fix(e: Any, key: str, own: str | None, shared: str | None, given: dict[str,
     own_fix = getattr((e.get("ctx") or {}).get("error"), "hint", None)
     if own_fix:
         return str(own_fix)
+    if key in BELOW_LEAST_FIXES and e["type"] in ("greater_than_equal", "greater_than"):
+        return BELOW_LEAST_FIXES[key]
     if shared:
         return f"change {given[shared]} or the config's setting it conflicts with ({PRINTS_KEYS})"
     if own is None:

@@ -35,6 +35,15 @@ def test_a_bad_set_value_is_blamed_on_the_set_not_the_file(cfg: Path) -> None:
     assert "--set train.epochs" in err.hint
 
 
+@pytest.mark.parametrize("overrides", [None, {"train.epochs": 0}])
+def test_zero_epochs_is_told_how_to_skip_training(tmp_path: Path, overrides: dict | None) -> None:
+    """``train: {epochs: 0}`` is how users ask for no training; its fix was "see `kiln config`"."""
+    p = tmp_path / "k.yaml"
+    p.write_text("train: {epochs: 0}\n" if overrides is None else "train: {epochs: 3}\n")
+    err = _error(p, overrides)
+    assert "train.enabled: false" in err.hint and "model.checkpoint" in err.hint, err.hint
+
+
 def test_the_set_is_named_as_the_command_line_wrote_it(cfg: Path) -> None:
     """The CLI passes the words the user typed (``1.1.0``, not a value YAML made of them)."""
     with pytest.raises(ConfigError) as e:
