@@ -237,7 +237,7 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
                 hint=_rows_hint(dict(zip(names, tensors(x)))),
             )
         if rows(x) == 0:
-            raise DataContractError(f"dataset '{ref}': {split}_x holds no samples", hint="give both splits samples")
+            raise DataContractError(f"dataset '{ref}': {split}_x holds no samples", hint=_EMPTY_HINTS[split])
         if y is not None and (len(y) != rows(x) or y.ndim < 1):
             raise DataContractError(
                 f"dataset '{ref}': {split}_x has {rows(x)} rows but {split}_y has shape "
@@ -473,7 +473,18 @@ def _check_dynamic_axes(x: Inputs, dynamic: Mapping[str, Mapping[int, str]], ref
                 )
 
 
+# Without training, train_x still feeds the calibration and the export's example: a user who trains elsewhere
+# leaves it out, and the fix says what to give
+_TRAIN_X_HINT = (
+    "give train_x samples even with training off (train.enabled: false): the calibration and the export read them; "
+    "your validation inputs will do (train_x = val_x, train_y = val_y)"
+)
+_EMPTY_HINTS = {"train": _TRAIN_X_HINT, "val": "give val_x samples: the checks of every engine run on them"}
+
+
 def _check_x(x: Any, field: str, ref: str) -> None:
+    if x is None and field == "train_x":
+        raise DataContractError(f"dataset '{ref}' gives train_x as None", hint=_TRAIN_X_HINT)
     items = (
         [x]
         if isinstance(x, torch.Tensor)

@@ -103,6 +103,15 @@ def test_contract_violations_name_the_cause(splits: DatasetSplits, message: str)
     assert info.value.hint
 
 
+@pytest.mark.parametrize("train_x", [None, torch.zeros(0, 2)])
+def test_train_x_left_out_is_told_the_calibration_reads_it(train_x: torch.Tensor | None) -> None:
+    """A user who trains elsewhere gives no training split; the fix was "wrap arrays with torch.from_numpy(...)"
+    (None) or "give both splits samples"."""
+    with pytest.raises(DataContractError, match="train_x") as info:
+        check_splits(DatasetSplits(train_x, None, torch.zeros(2, 2), None), "mine:data")
+    assert "train.enabled: false" in info.value.hint and "train_x = val_x" in info.value.hint
+
+
 def _masks(ignore: int, n: int = 8) -> torch.Tensor:
     """Pixel labels [n, 6, 6] of classes 0..3 with a two-pixel unlabelled border of ``ignore`` (VOC's 255)."""
     y = torch.arange(n * 36).reshape(n, 6, 6) % 4
