@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Callable
-from contextlib import redirect_stdout
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,29 @@ from kiln.stages.precision.fp16 import cast_captured_to_fp32, constants_as_tenso
 from kiln.stages.precision.fp16_select import sequence_values, unconvertible_ops
 
 log = logging.getLogger("kiln.build")
+
+
+class _AsDebug(logging.Handler):
+    """Passes another library's records on to Kiln's build log at debug level."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        log.debug("%s: %s", record.name, record.getMessage())
+
+
+@contextmanager
+def _logged_as_debug(name: str) -> Iterator[None]:
+    """The logger ``name`` (and those under it) logged to Kiln's debug log for the block: ORT's transformer optimizer
+    warns of a model producer it did not expect ("Model producer not matched") on every graph Kiln fuses, which
+    the Python API, with no logging set up, would print to stderr through Python's last-resort handler."""
+    logger = logging.getLogger(name)
+    saved = logger.handlers, logger.propagate
+    logger.handlers, logger.propagate = [_AsDebug()], False
+    try:
+        yield
+    finally:
+        logger.handlers, logger.propagate = saved
+
+
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 ATTENTION_OPS = {"Softmax", "MatMul"}
 
@@ -395,7 +418,7 @@ def maybe_fuse(
     work = onnx.ModelProto()
     work.CopyFrom(model)
     printed = io.StringIO()  # its shape inference print()s its failures: kept for --verbose, not on the console
-    with redirect_stdout(printed):
+    with redirect_stdout(printed), _logged_as_debug("onnxruntime.transformers"):
         fused = optimize_model(
             work, model_type=cfg.fusion_model_type, num_heads=0, hidden_size=0, opt_level=0, use_gpu=device == "cuda"
         )

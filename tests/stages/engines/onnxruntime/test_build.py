@@ -183,6 +183,20 @@ def test_fusion_leaves_the_callers_graph_unfused(zoo) -> None:
     assert "SkipLayerNormalization" in {n.op_type for n in fused.graph.node}
 
 
+def test_the_optimizers_producer_warning_goes_to_the_debug_log(zoo, caplog) -> None:
+    """ORT's optimizer warns "Model producer not matched" of a quantized graph (producer onnx.quantize); without
+    logging set up (the Python API) that reached stderr."""
+    from kiln.stages.engines.onnxruntime.build import maybe_fuse
+
+    model = onnx.load(str(zoo("transformer")))
+    model.producer_name = "onnx.quantize"
+    caplog.set_level(logging.DEBUG)
+    maybe_fuse(model, "cpu", OnnxRuntimeConfig())
+    ort = [r for r in caplog.records if r.name.startswith("onnxruntime.transformers")]
+    assert not ort, [r.getMessage() for r in ort]
+    assert any("producer not matched" in r.getMessage() for r in caplog.records if r.name == "kiln.build")
+
+
 def test_an_input_no_node_reads_survives_the_fusion(zoo) -> None:
     """ORT's optimizer prunes an input nothing reads (a tokenizer's token_type_ids beside a DistilBERT); the
     parity check then failed feeding it, and the fusion was dropped with a warning per build."""
