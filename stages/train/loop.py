@@ -261,6 +261,7 @@ class _Trainer:
         )
         self.epoch, self.step_in_epoch, self.last_good = 0, 0, "none written yet"
         self.bad_streak = 0  # consecutive steps with a NaN/Inf loss (fp16 scale back-offs do not count)
+        self.updates = 0  # optimizer steps of this process's run that updated the weights
         self.best_digest: str | None = None  # sha256 of best.safetensors, kept in last.pt to find it on resume
         self.best_tie_loss: float | None = None  # the best epoch's validation loss: breaks validation accuracy ties
         self.acc: dict[str, float] = {}  # running sums of the current epoch (this process's share)
@@ -419,7 +420,11 @@ class _Trainer:
         }
         ckpt.save_state(self.ckpt_dir / ckpt.LAST, state)
         self._save_info(complete)
-        self.last_good = f"{self.ckpt_dir / ckpt.LAST} (step {r.global_step})"
+        self.last_good = f"{self.ckpt_dir / ckpt.LAST} (step {r.global_step}" + (
+            ")"
+            if self.updates or self.result.resumed_from
+            else ": the weights training started from, no step has updated them)"
+        )
 
     def _save_info(self, complete: bool) -> None:
         """last.json beside last.pt: what a later run checks before loading it (checkpoint.find_resume)."""
@@ -628,7 +633,7 @@ class _Trainer:
                 self.acc["loss"] += loss_v * s.samples
                 self.acc["seen"] += s.samples
             if math.isfinite(norm_v) and math.isfinite(loss_v):
-                self.bad_streak = 0
+                self.bad_streak, self.updates = 0, self.updates + 1
                 continue
             overflow = self.scaler.is_enabled() and self._loss_finite_everywhere(loss_v, norm_v)
             if overflow and self._scale_can_back_off():
@@ -656,12 +661,28 @@ class _Trainer:
                 # another precision helps a reduced-precision run only: fp32 is the most range there is
                 other = " or ".join(p for p in ("bf16", "fp32") if p != self.precision)
                 precision = f"use train.precision: {other}, " if self.precision != "fp32" else ""
+                if self._never_updated(loss_v):
+                    raise TrainingError(
+                        f"gradients non-finite on a finite loss at every step since training started ({s.step} "
+                        f"steps, epoch {s.epoch + 1}) in {self.precision}: no step updated the weights",
+                        hint=f"try train.precision: fp32 (a {self.precision} kernel of some op, such as a bfloat16 "
+                        "Conv3d backward on the CPU, can give NaN gradients from the first step); if fp32 fails too, "
+                        "the model's own backward is NaN (a sqrt or norm at 0)",
+                    )
                 raise TrainingError(
                     f"loss/gradients non-finite for {self.bad_streak} consecutive steps, at step "
                     f"{s.step} (epoch {s.epoch + 1}) in {self.precision}; last good checkpoint: {self.last_good}",
                     hint=f"lower train.lr, {precision}or raise train.amp.nonfinite_patience; "
                     "train.checkpoint.resume: <last.pt> continues from the checkpoint",
                 )
+
+    def _never_updated(self, loss: float) -> bool:
+        """Whether no step of this run (not resumed) has updated the weights, and the last loss was finite: NaN
+        gradients from the first step are the precision's or the model's, not a learning rate's, and the last
+        checkpoint holds the initial weights."""
+        return (
+            not self.updates and self.result.resumed_from is None and math.isfinite(loss) and self.precision != "fp32"
+        )
 
     def _fixed_scale_overflow(self, s: StepStats) -> None:
         """A step whose fp16 gradients overflowed the fixed loss scale on a finite loss: skipped and counted as an

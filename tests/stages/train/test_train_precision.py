@@ -169,5 +169,5 @@ def test_fp16_nan_gradients_on_finite_losses_still_abort(amp: dict) -> None:
     from kiln.core.errors import TrainingError
 
     cfg = train_cfg(precision="fp16", epochs=4, amp={**amp, "nonfinite_patience": 3})
-    with pytest.raises(TrainingError, match="consecutive steps"):
+    with pytest.raises(TrainingError, match="consecutive steps|no step updated the weights"):
         train(NanGradNet(), tiny_data(), cfg)

@@ -59,3 +59,34 @@ def test_a_run_whose_steps_were_mostly_skipped_says_how_many(caplog: pytest.LogC
         result = train(tiny_net(), data, cfg, task=task_for(data, cfg.loss, None))
     planned = sum(m.steps for m in result.history)
     assert f"{planned - 3} of the run's {planned} training steps were skipped" in caplog.text
+
+
+class _NanGrad(torch.autograd.Function):
+    """Identity forward, NaN backward: gradients non-finite on a finite loss, as a reduced-precision kernel's."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
+
+
+class _NanGradNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NanGrad.apply(self.net(x))
+
+
+def test_nan_gradients_from_the_first_step_lead_with_fp32_not_a_last_good_checkpoint(tmp_path) -> None:
+    """Every step skipped from step 1 on a finite loss: the error named last.pt of the initial weights as the "last
+    good checkpoint" and led with lowering the learning rate."""
+    cfg = train_cfg(precision="bf16", epochs=1, amp={"nonfinite_patience": 3}, checkpoint={"every_steps": 1})
+    with pytest.raises(TrainingError) as err:
+        train(_NanGradNet(), tiny_data(), cfg, ckpt_dir=tmp_path)
+    assert "no step updated the weights" in err.value.message and "last good checkpoint" not in err.value.message
+    assert err.value.hint.startswith("try train.precision: fp32")
