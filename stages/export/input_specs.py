@@ -4,16 +4,17 @@ for a model whose inputs Kiln cannot tell."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import numpy as np
 import torch
 from torch import nn
 
-from kiln.core.data import SINGLE_INPUT, Inputs, call, forward_inputs, take
+from kiln.core.data import SINGLE_INPUT, Inputs, call, take
 from kiln.core.errors import ConfigError
 from kiln.core.inputs import random_inputs
-from kiln.core.labels import is_mask_name
+from kiln.core.labels import is_label_name, is_mask_name
 from kiln.core.records import TensorSpec
 from kiln.core.text import first_line
 from kiln.models.model_io import dataset_for
@@ -47,29 +48,50 @@ def direct_example(cfg: ExportSettings, model: nn.Module, specs: list[TensorSpec
             call(model, example)
     except Exception as exc:  # the model rejects them: say so, not "an op ONNX cannot express" or a traceback
         reason = first_line(exc)
-        hint = input_shape_hint(model, random=bool(specs))
+        hint = input_shape_hint(model, random=bool(specs), given=[s.name for s in specs or []])
         raise ConfigError(f"model '{cfg.model.name}' rejects {what}: {reason}", hint=hint) from None
     return example
 
 
-def input_shape_hint(model: nn.Module, random: bool = False) -> str:
-    """The fix for a model whose inputs Kiln cannot tell: one ``--input-shape`` per input of its forward. With
-    ``random``, for a model that rejected ``--input-shape``'s inputs: their random values (a length of 0, an id
-    it has no row for) may be what it rejects, not their shapes, and real inputs come from a data function."""
-    names = forward_inputs(model) or ["NAME"]
-    flags = " ".join(f"--input-shape {n}=DIMS" for n in names)
+def input_shape_hint(model: nn.Module, random: bool = False, given: list[str] | None = None) -> str:
+    """The fix for a model whose inputs Kiln cannot tell: one ``--input-shape`` per input it needs
+    (:func:`_suggested`). With ``random``, for a model that rejected ``--input-shape``'s inputs: their random values
+    (a box whose x0 > x1, a length of 0), not their shapes, may be what it rejects, and real inputs come from a data
+    function (``--set data.name``: ``kiln export`` reads no arrays of its own)."""
+    flags = " ".join(f"--input-shape {n}=DIMS" for n in _suggested(model, given or []))
     shapes = f"{flags} (e.g. image=3,224,224, ids=128:int64, t=():int64 for one value per sample)"
     if random:
         return (
-            "--input-shape gives random values (floats standard normal, integers 0 or 1), which the model may reject "
-            "where the shapes are right (a length of 0): give it real inputs, a config whose data.name is a data "
-            f"function the model takes (kiln export CONFIG -o FILE); else check each input's shape, one sample "
-            f"without the batch axis: {shapes}"
+            "the shapes may be right and the values not: --input-shape fills each input with random values (floats "
+            "standard normal, integers 0 or 1, each drawn on its own), which the model may reject (a box whose "
+            "x0 > x1, a length of 0); give real samples instead of --input-shape: --set data.name=MODULE:FUNCTION, a "
+            "data function the model takes (or a config naming one: kiln export CONFIG --checkpoint FILE -o FILE); "
+            f"else check each input's shape, one sample without the batch axis: {shapes}"
         )
     return (
         f"give each input's shape, one sample without the batch axis: {shapes}, or a config whose data.name is a "
         "data function the model takes"
     )
+
+
+def _suggested(model: nn.Module, given: list[str]) -> list[str]:
+    """The inputs to give ``--input-shape`` for: those ``given`` (an unnamed one: the forward's first) and the
+    forward's required parameters (no default) they lack, not its optional ones, which are alternatives
+    (``inputs_embeds`` for ``input_ids``) or extras it works without; with none given, the required ones, or every
+    parameter where all have defaults (a ``transformers`` model's). Never labels (``labels``, ``targets``:
+    training's ``y``, refused among the inputs)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C++ forward: no signature to read
+        params = []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    named = [p for p in params if p.kind in kinds and not is_label_name(p.name)]
+    required = [p.name for p in named if p.default is inspect.Parameter.empty]
+    if given == [SINGLE_INPUT] and SINGLE_INPUT not in (p.name for p in named):  # an unnamed shape: the first one
+        given = (required or [p.name for p in named])[:1] or given
+    if given:
+        return given + [n for n in required if n not in given]
+    return required or [p.name for p in named] or ["NAME"]
 
 
 INPUT_SHAPE_FORM = "[NAME=]DIMS[:DTYPE]"

@@ -502,19 +502,40 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _tables(probe: torch.Tensor, before: int | None, lookups: EmbeddingLookups) -> list[torch.Tensor]:
-    """The embedding tables input ``probe`` was looked up in as it is (its own memory and shape, a view of it at
-    most, unedited since the forward began at version ``before``): only then are the data's values that input's
-    ids. An input the model maps first (``ids % vocab``, or ``ids.masked_fill_(ids >= vocab, 0)`` in place) is
-    looked up in none."""
-    return [
-        table
-        for ids, version, table in lookups.calls
-        if ids.data_ptr() == probe.data_ptr()
-        and ids.shape == probe.shape
-        and ids.dtype == probe.dtype
-        and version == before
-    ]
+def _tables(
+    probe: torch.Tensor, before: int | None, lookups: EmbeddingLookups
+) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """The embedding tables input ``probe`` was looked up in as it is, each with the columns of its last axis the
+    lookup took (:func:`_columns`: ``()`` for the whole input, ``(0,)`` for LayoutLM's ``bbox[:, :, 0]``), unedited
+    since the forward began at version ``before``: only then are the data's values (of those columns) that input's
+    ids. An input the model maps first (``ids % vocab``, ``bbox[..., 2] - bbox[..., 0]``, or
+    ``ids.masked_fill_(ids >= vocab, 0)`` in place) is looked up in none."""
+    found = [(table, _columns(ids, probe)) for ids, version, table in lookups.calls if version == before]
+    return [(table, columns) for table, columns in found if columns is not None]
+
+
+def _columns(ids: torch.Tensor, probe: torch.Tensor) -> tuple[int, ...] | None:
+    """The columns of ``probe``'s last axis that ``ids`` is a view of, every other axis whole and in ``probe``'s own
+    memory: one selected (``bbox[:, :, 0]``) or a run of them sliced (``bbox[..., 1:3]``); ``()`` where ``ids`` is
+    ``probe`` itself (or a view of its shape); None for any other tensor (a copy, a transpose, another axis cut)."""
+    if ids.dtype != probe.dtype:
+        return None
+    if ids.data_ptr() == probe.data_ptr() and ids.shape == probe.shape:
+        return ()
+    lead, step = probe.ndim - 1, probe.stride(-1) if probe.ndim else 0
+    offset = ids.storage_offset() - probe.storage_offset()
+    base = ids.data_ptr() - offset * ids.element_size()  # the address of probe's first element, if ids is its view
+    if lead < 1 or step < 1 or base != probe.data_ptr() or offset % step:
+        return None
+    first = offset // step
+    whole_rows = tuple(ids.shape[:lead]) == tuple(probe.shape[:lead]) and ids.stride()[:lead] == probe.stride()[:lead]
+    if not whole_rows or not 0 <= first < probe.shape[-1]:
+        return None
+    if ids.ndim == lead:
+        return (first,)
+    if ids.ndim == probe.ndim and ids.stride(-1) == step and first + ids.shape[-1] <= probe.shape[-1]:
+        return tuple(range(first, first + ids.shape[-1]))
+    return None
 
 
 def _input_label(x: Any, key: Any) -> str:
@@ -523,37 +544,42 @@ def _input_label(x: Any, key: Any) -> str:
 
 
 def check_token_ids(model: nn.Module, data: DatasetSplits, probe: Any, lookups: EmbeddingLookups) -> None:
-    """Every integer input that the probe looked up in an embedding table as it is (:func:`_tables`) holds ids
-    within the table's rows, in both splits: an id past them fails only when its batch comes, as a raw ``index out
-    of range in self`` (after a whole epoch where it is a held-out row's). Inputs the model transforms first are
-    not checked."""
+    """Every integer input that the probe looked up in an embedding table as it is, whole or by a column of its last
+    axis (:func:`_tables`: LayoutLM's ``bbox[:, :, 0]``), holds ids within the table's rows (in those columns), in
+    both splits: an id past them fails only when its batch comes, as a raw ``index out of range in self`` (after a
+    whole epoch where it is a held-out row's). Inputs the model transforms first are not checked."""
     keys = list(probe) if isinstance(probe, dict) else range(len(tensors(probe)))
     names = {id(p): n.removesuffix(".weight") for n, p in model.named_parameters()}
     for key, t, before in zip(keys, tensors(probe), lookups.before):
         if not t.numel() or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             continue
-        for table in _tables(t, before, lookups):
+        for table, columns in _tables(t, before, lookups):
             for split in ("train", "val"):
                 split_x = getattr(data, f"{split}_x")
                 ids = split_x[key] if isinstance(split_x, dict) else tensors(split_x)[key]
                 where = f"{split}_x{_input_label(split_x, key)}"
-                _check_ids(ids, where, names.get(id(table), "?"), tuple(table.shape), data.name)
+                for column in columns or (None,):
+                    part, at = (ids, where) if column is None else (ids[..., column], f"{where}[..., {column}]")
+                    _check_ids(part, at, names.get(id(table), "?"), tuple(table.shape), data.name, column is None)
 
 
-def _check_ids(ids: torch.Tensor, where: str, name: str, shape: tuple[int, ...], ref: str) -> None:
+def _check_ids(ids: torch.Tensor, where: str, name: str, shape: tuple[int, ...], ref: str, whole: bool = True) -> None:
     """``ids`` index the rows of an embedding table of ``shape``, or the error naming the first id outside and its
-    row."""
+    row; ``whole``: ``ids`` is a whole input (token ids), not a column of one (a box's x0)."""
     size = shape[0]
     if not ids.numel() or (int(ids.min()) >= 0 and int(ids.max()) < size):
         return
     at = ((ids < 0) | (ids >= size)).nonzero()[0]
     value = int(ids[tuple(at)])
     side = f"past the {size} rows" if value >= size else f"below the first of the {size} rows"
-    bigger = f", or build the model with a vocabulary of at least {int(ids.max()) + 1}" if value >= size else ""
+    larger = f"a vocabulary of at least {int(ids.max()) + 1}" if whole else f"a table of {int(ids.max()) + 1} rows"
+    bigger = f", or build the model with {larger}" if value >= size else ""
+    keep = "keep the ids" if whole else f"keep {where}"
+    unknown = " (map ids the vocabulary lacks to its unknown-token id)" if whole else ""
     raise DataContractError(
-        f"dataset '{ref}': {where} holds token id {value} at row {int(at[0])}, {side} of the model's embedding "
-        f"'{name}' (a table of {' x '.join(map(str, shape))}: ids 0..{size - 1})",
-        hint=f"keep the ids within 0..{size - 1} (map ids the vocabulary lacks to its unknown-token id){bigger}",
+        f"dataset '{ref}': {where} holds {'token id' if whole else 'value'} {value} at row {int(at[0])}, {side} of "
+        f"the model's embedding '{name}' (a table of {' x '.join(map(str, shape))}: ids 0..{size - 1})",
+        hint=f"{keep} within 0..{size - 1}{unknown}{bigger}",
     )
 
 

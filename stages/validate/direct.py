@@ -21,7 +21,7 @@ from kiln.core.random_ops import RANDOM_HINT
 from kiln.core.records import EngineMetadata, EngineValidation, steps_text, takes_size
 from kiln.core.shapes import axis_names, graph_axes, refuse_unknown_axes, resize, shape_points
 from kiln.core.text import FEATURE_NAMES, short_reason
-from kiln.core.user_errors import out_of_memory, running_user_code
+from kiln.core.user_errors import UserCodeError, out_of_memory, running_user_code
 from kiln.models.determinism import refuse_random
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
@@ -40,15 +40,24 @@ RANDOM_FIX = "pass --inputs file.npz with concrete arrays"
 OTHER_MODEL = (
     "validate an engine against the model it was built from (its ONNX file, or its checkpoint with model.name)"
 )
+# A reference that raised on Kiln's random feed: the values, each drawn on its own, not the data, may be what failed
+RANDOM_DOING = (
+    "running the reference model on Kiln's RANDOM inputs of the engine's shapes (each value drawn on its own, ids "
+    "within the rows of the table they index)"
+)
+RANDOM_VALUES = "random values may be ones the model rejects where the shapes are right: a box whose x0 > x1"
+RANDOM_REJECTED = f"pass --inputs FILE.npz with real samples ({RANDOM_VALUES}); if real samples fail too, {OTHER_MODEL}"
 
 
 def _shapes(feed: dict[str, np.ndarray]) -> dict[str, str]:
     return {k: f"{v.dtype}{list(v.shape)}" for k, v in feed.items()}
 
 
-def _reference_error(reference: Path, cfg: ValidateSettings, feed: dict[str, np.ndarray], exc: Exception) -> InputError:
+def _reference_error(
+    reference: Path, cfg: ValidateSettings, feed: dict[str, np.ndarray], exc: Exception, random: bool = False
+) -> InputError:
     """An exception in torch (not the user's file) running the reference: out of memory, or the engine's inputs
-    are another model's."""
+    are another model's, or (``random``: Kiln's random feed) values the model rejects."""
     said = f"reference {reference.name} ({cfg.model.name})"
     if out_of_memory(exc):
         return InputError(
@@ -56,8 +65,10 @@ def _reference_error(reference: Path, cfg: ValidateSettings, feed: dict[str, np.
             hint="validate with fewer rows: --inputs with a smaller batch, or a smaller signature.batch_sizes",
         )
     first = str(exc).splitlines()[0] if str(exc) else ""
+    inputs = "Kiln's RANDOM inputs of the engine's shapes" if random else "the engine's inputs"
     return InputError(
-        f"{said} fails on the engine's inputs {_shapes(feed)}: {type(exc).__name__}: {first}", hint=OTHER_MODEL
+        f"{said} fails on {inputs} {_shapes(feed)}: {type(exc).__name__}: {first}",
+        hint=RANDOM_REJECTED if random else OTHER_MODEL,
     )
 
 
@@ -67,12 +78,14 @@ def reference_outputs(
     cfg: ValidateSettings,
     batch: int | None = None,
     loaded: dict[str, Any] | None = None,
+    random: bool = False,
 ) -> dict[str, np.ndarray]:
     """Every output of the reference, by name: an ONNX model (ONNX Runtime, CPU; one batch at a time where it fixes
     its batch axis) or a PyTorch checkpoint of ``cfg.model`` (called with the feed's arrays as keyword arguments
     when there are several); ``batch``: rows a call, as the engine is run (None: every row in one call).
     ``loaded``: the reference as an earlier call loaded it (the model, or the graph and its session), kept there, so
-    that the checks of several shapes and batch sizes load it once."""
+    that the checks of several shapes and batch sizes load it once. ``random``: the feed is Kiln's random one, so a
+    checkpoint's model that raises on it is said to have met values it may reject, with real samples as the fix."""
     loaded = {} if loaded is None else loaded
     if reference.suffix != ".onnx":
         if "model" not in loaded:
@@ -84,7 +97,7 @@ def reference_outputs(
             x = {k: torch.from_numpy(v) for k, v in part.items()}
             return host_arrays(named_outputs(model, next(iter(x.values())) if len(x) == 1 else x))
 
-        doing = "running the reference model on the engine's inputs"
+        doing = RANDOM_DOING if random else "running the reference model on the engine's inputs"
         # The determinism check on the first batch the reference gets (a model of one row a call takes no other),
         # two rows where it takes any: two more calls over the whole feed would triple the reference's time
         rows = in_batches(feed, batch)[0] if batch is not None else {k: v[:2] for k, v in feed.items()}
@@ -93,10 +106,14 @@ def reference_outputs(
             with torch.inference_mode(), running_user_code(doing, f"reference {reference.name}", OTHER_MODEL, True):
                 refuse_random(model, next(iter(first.values())) if len(first) == 1 else first)
                 return run_batched(run, feed, batch)
+        except UserCodeError as err:  # the user's model raised: on random values, said as such
+            if random and not isinstance(err.__cause__, SystemExit):
+                raise _on_random(err) from err.__cause__
+            raise
         except KilnError:
             raise
         except Exception as exc:  # in torch, not the user's file: out of memory, or the inputs are another model's
-            raise _reference_error(reference, cfg, feed, exc) from None
+            raise _reference_error(reference, cfg, feed, exc, random) from None
     if "graph" not in loaded:
         loaded["graph"] = load_onnx(reference)
         check_tensor_io(loaded["graph"], f"reference {reference.name}")
@@ -116,12 +133,19 @@ def reference_outputs(
     try:
         return run_batched(lambda part: dict(zip(names, ref_sess.run(None, part))), feed, fixed_batch(specs) or batch)
     except Exception as exc:  # ONNX Runtime's own error: a size the graph does not take (a 64-row position table)
+        inputs = "Kiln's RANDOM inputs of the engine's shapes" if random else "the engine's inputs"
+        real = f"with real samples ({RANDOM_VALUES}) " if random else ""
         raise InputError(
-            f"reference {reference.name} fails on the engine's inputs {_shapes(feed)} in ONNX Runtime: "
-            f"{short_reason(exc, 300)}",
-            hint="give --inputs at sizes the model takes (the sizes its kiln-engine.json validated), or check that "
-            "the inputs are this model's",
+            f"reference {reference.name} fails on {inputs} {_shapes(feed)} in ONNX Runtime: {short_reason(exc, 300)}",
+            hint=f"give --inputs {real}at sizes the model takes (the sizes its kiln-engine.json validated), or check "
+            "that the inputs are this model's",
         ) from None
+
+
+def _on_random(err: UserCodeError) -> UserCodeError:
+    """The error of the user's model (or its library's) raised on Kiln's random feed, with real samples as its fix:
+    the values, not data of the user's, are what it met (its message names where it raised)."""
+    return UserCodeError(err.message, hint=f"{RANDOM_REJECTED} (--verbose shows the traceback)", detail=err.detail)
 
 
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: ValidateSettings) -> EngineValidation:
@@ -147,7 +171,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
             check_engine_feed(meta, part, allow_outside_ranges=True)
         _say_new_sizes(meta, feed_parts[0])
     loaded: dict[str, Any] = {}  # the reference, loaded once for every check
-    refs = [reference_outputs(reference, feed, cfg, b, loaded) for feed, b in checks]
+    refs = [reference_outputs(reference, feed, cfg, b, loaded, random=inputs is None) for feed, b in checks]
     gots, times = _run(engine_dir, meta, checks, parts, cfg)
     setting = _logits_setting(cfg, meta, list(refs[0]))
     logits = direct_top1(list(refs[0]), setting)
