@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
@@ -21,6 +22,7 @@ from kiln.core.onnx_io import (
     infer_shapes,
     io_specs,
     load_onnx,
+    metadata_value,
     save_onnx,
 )
 from kiln.core.records import IntRange
@@ -194,11 +196,51 @@ def optimize_model(
         "verified": verifier is not None,
         "rounds": rounds,
         "checks": checks,
-        "rolled_back": list(dict.fromkeys(p["name"] for p in passes if p["rolled_back"])),
+        "rolled_back": rolled_back(passes),
         "seconds": round(time.perf_counter() - t_start, 3),
         "passes": passes,
     }
+    _set_record(current, [spec.name for spec, _ in plan], summary["rolled_back"])
     return current, summary
+
+
+# The key of an optimized graph's own metadata (``metadata_props``) that says, as JSON, which passes made it and
+# which the safety net undid: a later stage or command reading the file alone (the precision stage's advice on
+# weights left unfolded) tells a graph never optimized from one whose folding was rolled back.
+OPTIMIZE_RECORD_KEY = "kiln.optimize"
+
+
+def _set_record(model: onnx.ModelProto, names: list[str], undone: list[str]) -> None:
+    """Write :data:`OPTIMIZE_RECORD_KEY` into ``model`` (replacing the one an earlier optimization left)."""
+    record = json.dumps({"passes": list(dict.fromkeys(names)), "rolled_back": undone})
+    kept = [p for p in model.metadata_props if p.key != OPTIMIZE_RECORD_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key=OPTIMIZE_RECORD_KEY, value=record)
+
+
+def optimize_record(model: onnx.ModelProto) -> dict[str, list[str]] | None:
+    """What :data:`OPTIMIZE_RECORD_KEY` says of ``model`` (``passes``, ``rolled_back``), or None where it has no
+    readable record: a graph that did not come out of ``kiln optimize`` or the optimize stage."""
+    text = metadata_value(model, OPTIMIZE_RECORD_KEY)
+    try:
+        record = json.loads(text) if text is not None else None
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    return {k: [str(v) for v in record.get(k, []) if isinstance(v, str)] for k in ("passes", "rolled_back")}
+
+
+def rolled_back(passes: list[dict[str, Any]]) -> list[str]:
+    """The passes the safety net undid, by name in the order they ran, and the parts of passes it undid while
+    keeping the rest (``fold_constants (onnx-graphsurgeon's folding)``)."""
+    undone = (
+        p["name"] if p["rolled_back"] else f"{p['name']} ({p['fallback']['left_out']})"
+        for p in passes
+        if p["rolled_back"] or "fallback" in p
+    )
+    return list(dict.fromkeys(undone))
 
 
 Plan = list[tuple[Any, Any]]
@@ -237,19 +279,41 @@ def _fast(plan: Plan, start: onnx.ModelProto, max_rounds: int, verifier: Verifie
 
 def _careful(plan: Plan, start: onnx.ModelProto, max_rounds: int, verifier: Verifier | None) -> Rounds:
     """Every pass checked on its own (one export and one check per pass that changed the graph); a pass that
-    crashes or changes the outputs is rolled back by name and not tried again in later rounds."""
+    crashes or changes the outputs is rolled back by name (or narrowed: :func:`_step_or_fallback`) and not tried
+    again in later rounds."""
     current, passes, rounds = start, [], 0
     for rounds in range(1, max_rounds + 1):
         size = len(current.graph.node)
-        entries = []
+        entries, kept = [], []
         for spec, params in plan:
-            current, entry = _step(spec, params, current, verifier)
+            current, entry, params = _step_or_fallback(spec, params, current, verifier)
             entries.append(entry)
+            kept += [] if entry["rolled_back"] else [(spec, params)]
         passes += [entry | {"round": rounds} for entry in entries]
-        plan = [step for step, entry in zip(plan, entries) if not entry["rolled_back"]]
+        plan = kept
         if len(current.graph.node) >= size:
             break
-    return current, passes, rounds, sum(1 for e in passes if "max_abs_err" in e)
+    checks = sum(("max_abs_err" in e) + ("max_abs_err" in e.get("fallback", {})) for e in passes)
+    return current, passes, rounds, checks
+
+
+def _step_or_fallback(
+    spec: Any, params: Any, current: onnx.ModelProto, verifier: Verifier | None
+) -> tuple[onnx.ModelProto, dict[str, Any], Any]:
+    """:func:`_step`; where it rolls the pass back and the pass's params offer a narrower form of it (their
+    ``fallback()``: (params, what they leave out), as fold_constants leaves onnx-graphsurgeon's folding out), that
+    form is checked too, so one part that breaks the graph takes none of the rest down with it. Returns the model,
+    the entry (the narrower run's, with the full run under ``fallback``) and the params later rounds run."""
+    current, entry = _step(spec, params, current, verifier)
+    offer = getattr(params, "fallback", None)
+    narrower = offer() if entry["rolled_back"] and offer is not None else None
+    if narrower is None:
+        return current, entry, params
+    weaker, left_out = narrower
+    log.warning("optimize pass %s: running it again without %s", spec.name, left_out)
+    current, retry = _step(spec, weaker, current, verifier)
+    full = {k: entry[k] for k in ("params", "reason", "max_abs_err") if k in entry}
+    return current, retry | {"fallback": full | {"left_out": left_out}}, weaker
 
 
 def _chained(plan: Plan, graph: gs.Graph, empties: EmptyAttrs) -> list[dict[str, Any]] | None:

@@ -34,6 +34,7 @@ from kiln.calibration.ranges import Ranges, calibrate
 from kiln.calibration.trt_table import write_trt_table
 from kiln.core.errors import InputError
 from kiln.core.onnx_io import infer_shapes, save_onnx
+from kiln.stages.optimize.api import optimize_record
 from kiln.stages.precision.audit import MIN_SHARE, audit_graph, compute_precisions, flops_by_op
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import FallbackConfig, FP16Config
@@ -367,8 +368,9 @@ def _say_unfolded(model: onnx.ModelProto, path: Path, ort: dict[str, Any]) -> No
     layers in float that reach their weights through other nodes (a Transpose of a stored weight, as an
     un-optimized export has it): dynamic quantization takes stored weights only, so these stay float until
     constant folding (``kiln optimize``) makes them stored, and the graph may fall short of the precision audit for
-    them. Layers the fallback kept in float are left out; where no layer was quantized, the quantizer said why
-    already (:func:`kiln.calibration.quantize.quantize_int8_dynamic`)."""
+    them. What it says to do depends on whether the graph was optimized (:func:`_unfolded_cause`). Layers the
+    fallback kept in float are left out; where no layer was quantized, the quantizer said why already
+    (:func:`kiln.calibration.quantize.quantize_int8_dynamic`)."""
     if ort.get("scheme") != "dynamic" or not ort.get("integer_matmuls"):
         return
     graph = onnx.load(str(path), load_external_data=False).graph
@@ -381,12 +383,31 @@ def _say_unfolded(model: onnx.ModelProto, path: Path, ort: dict[str, Any]) -> No
         log.warning(
             "%s: %d of its %d MatMul/Gemm layers left in float (%s) reach their weights through other nodes (a "
             "Transpose of a stored weight, as an un-optimized export has it), which dynamic quantization does not "
-            "quantize: `kiln optimize` the graph first, which folds them into stored weights",
+            "quantize: %s",
             ORT_CPU,
             len(left),
             sum(n.op_type in ("MatMul", "Gemm") for n in model.graph.node),
             ", ".join(left[:4]) + (", ..." if len(left) > 4 else ""),
+            _unfolded_cause(model),
         )
+
+
+def _unfolded_cause(model: onnx.ModelProto) -> str:
+    """Why ``model``'s weights still go through other nodes, by the record the optimizer left in it
+    (:func:`~kiln.stages.optimize.api.optimize_record`): never optimized, optimized with passes rolled back (the
+    optimize stage of a ``kiln run`` among them), optimized without fold_constants, or folded to its size limit."""
+    record = optimize_record(model)
+    if record is None:
+        return "`kiln optimize` the graph first, which folds them into stored weights"
+    undone = record["rolled_back"]
+    if undone:
+        return (
+            f"the optimizer, which would fold them into stored weights, rolled back {', '.join(undone)} on this graph "
+            "(it changed the outputs: the optimize stage's log and report, or `kiln optimize`'s, say how)"
+        )
+    if "fold_constants" not in record["passes"]:
+        return "add fold_constants, which folds them into stored weights, to optimize.passes"
+    return "fold_constants left them unfolded: a weight over its size_threshold stays (optimize.passes)"
 
 
 def build_ort_cpu_int8(src: Source, out: Path, ccfg: CalibrationConfig, keep_float: set[str]) -> dict[str, Any]:

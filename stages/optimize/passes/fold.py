@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.core.lazy import lazy_import
 from kiln.stages.optimize.passes.shapes import fold_shapes, static_reshape_target
-from kiln.stages.optimize.passes.util import RANDOM_OPS, const, known_shape, new_const
+from kiln.stages.optimize.passes.util import RANDOM_OPS, const, known_shape, new_const, unique_name
 from kiln.stages.optimize.registry import register
 
 onnx = lazy_import("onnx")
@@ -36,6 +36,17 @@ class FoldParams(BaseModel):
         description="fold Shape(start/end) and Shape -> Gather/Slice reads of static "
         "axes (the fold_shapes pass) in every round",
     )
+    library: bool = Field(
+        True,
+        description="also run onnx-graphsurgeon's constant folding (constant subgraphs evaluated in ONNX Runtime, "
+        "shape-tensor casts elided); off, Kiln's own steps alone (CastLike, static reshapes and shapes, transposed "
+        "weights)",
+    )
+
+    def fallback(self) -> tuple[FoldParams, str] | None:
+        """The pass without onnx-graphsurgeon's folding, for the safety net to try where the whole pass changed the
+        outputs: that part is a library's, and Kiln's own steps need not go down with it."""
+        return (self.model_copy(update={"library": False}), "onnx-graphsurgeon's folding") if self.library else None
 
 
 @contextmanager
@@ -118,6 +129,86 @@ def static_reshapes(graph: gs.Graph) -> int:
     return n
 
 
+# onnx-graphsurgeon's shape-tensor cast elision (fold_constants with fold_shapes=True): op(Cast(int -> float), ...)
+# -> Cast(float -> int) becomes op(int, ...) with its constant inputs cast to int.
+_ELISION_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min", "Equal", "Greater", "Less", "Concat"})
+_COMPARISONS = frozenset({"Equal", "Greater", "Less"})
+
+
+def _float_cast(t: gs.Tensor) -> bool:
+    """``t`` is written by a Cast to float32 (the elision takes such an input back to its source type)."""
+    return len(t.inputs) == 1 and t.inputs[0].op == "Cast" and t.inputs[0].attrs.get("to") == onnx.TensorProto.FLOAT
+
+
+def _integral(t: gs.Tensor) -> bool:
+    """``t`` is a constant the elision can cast to an integer type without changing a value."""
+    v = const(t)
+    if v is None:
+        return False
+    return np.issubdtype(v.dtype, np.integer) or bool(np.all(np.isfinite(v)) and np.all(v == np.trunc(v)))
+
+
+def _wrong_elision(graph: gs.Graph, node: gs.Node) -> bool:
+    """Whether the cast elision would match ``node`` and break it: an input that is neither a Cast from an integer
+    nor an integral constant (a float variable, MPNet's relative-position buckets: the int inputs would meet a
+    float one, which ONNX Runtime refuses; 0.5 would become 0), a reader casting to a non-integer type (it would
+    read a tensor nobody writes), or a comparison (its bool output would be declared the integer type)."""
+    if node.op not in _ELISION_OPS or not any(_float_cast(t) for t in node.inputs):
+        return False
+    readers = [r for t in node.outputs for r in t.outputs]
+    if not readers or any(r.op != "Cast" for r in readers) or any(t in graph.outputs for t in node.outputs):
+        return False  # the elision leaves it alone
+    ints = (onnx.TensorProto.INT32, onnx.TensorProto.INT64)
+    return (
+        node.op in _COMPARISONS
+        or any(r.attrs.get("to") not in ints for r in readers)
+        or not all(_float_cast(t) or _integral(t) for t in node.inputs)
+    )
+
+
+def shield_casts(graph: gs.Graph) -> list[gs.Node]:
+    """An Identity after every node the cast elision would break (:func:`_wrong_elision`), subgraphs included: the
+    elision needs every reader to be a Cast, so it passes them by while it still elides the casts it gets right.
+    Returns the Identities for :func:`unshield_casts`."""
+    held = []
+    for g in [graph, *graph.subgraphs(recursive=True)]:
+        for node in [n for n in g.nodes if _wrong_elision(g, n)]:
+            for i, out in enumerate(list(node.outputs)):
+                mid = gs.Variable(unique_name(g, out.name + "_held"), dtype=out.dtype, shape=out.shape)
+                node.outputs[i] = mid
+                held.append(gs.Node("Identity", inputs=[mid], outputs=[out]))
+                g.nodes.insert(g.nodes.index(node) + 1, held[-1])  # graphsurgeon folds in node order
+    return held
+
+
+def unshield_casts(held: list[gs.Node]) -> None:
+    """Undo :func:`shield_casts`: each node writes its own output again. An Identity folded into a constant is
+    left to ``cleanup``; one after a folded input stays for ``eliminate_identity``."""
+    for ident in held:
+        if not ident.outputs or not ident.inputs or not ident.inputs[0].inputs:
+            continue
+        mid, out = ident.inputs[0], ident.outputs[0]
+        writer = mid.inputs[0]
+        ident.outputs.clear()
+        ident.inputs.clear()
+        writer.outputs[writer.outputs.index(mid)] = out
+
+
+def library_fold(graph: gs.Graph, size_threshold: int | None) -> None:
+    """onnx-graphsurgeon's constant folding (shape reads and its cast elision included), minus the elisions that
+    would break the graph (:func:`shield_casts`) and minus random ops: a random op has no variable inputs, so it
+    looks foldable, and folding would freeze one draw forever."""
+    held = shield_casts(graph)
+    with _quiet_gs():
+        graph.fold_constants(
+            fold_shapes=True,
+            size_threshold=size_threshold,
+            error_ok=True,
+            should_exclude_node=lambda node: node.op in RANDOM_OPS,
+        )
+    unshield_casts(held)
+
+
 @register("fold_constants", FoldParams)
 def fold_constants(graph: gs.Graph, p: FoldParams) -> int:
     """Fold everything computable ahead of time (CastLike, static shapes, constant subgraphs) until nothing changes."""
@@ -130,14 +221,8 @@ def fold_constants(graph: gs.Graph, p: FoldParams) -> int:
             + (fold_shapes(graph, p) if p.static_shapes else 0)
             + fold_transposes(graph, p.size_threshold)
         )
-        with _quiet_gs():
-            # A random op has no variable inputs, so it looks foldable; folding would freeze one draw forever.
-            graph.fold_constants(
-                fold_shapes=True,
-                size_threshold=p.size_threshold,
-                error_ok=True,
-                should_exclude_node=lambda node: node.op in RANDOM_OPS,
-            )
+        if p.library:
+            library_fold(graph, p.size_threshold)
         graph.cleanup()
         removed = before - len(graph.nodes)
         total += changed + max(removed, 0)
