@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -16,7 +17,7 @@ import onnx
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.ranges import Ranges, _ort_method, ranges_file
-from kiln.core.cpu_int8 import resolve_reduce_range
+from kiln.core.cpu_int8 import ORT_CPU_STATIC_INTEGER, resolve_reduce_range
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.graphsurgeon import gs
 from kiln.core.onnx_io import rename_values, value_names
@@ -623,12 +624,7 @@ def _why_float(model: onnx.ModelProto, exclude: set[str], ops: list[str]) -> str
         )
         if {n.op_type for n in model.graph.node} & set(DYNAMIC_RECURRENT):
             where += f"{';' if where else ':'} its LSTMs are kept in float (calibration.exclude_*, or the fallback)"
-        fix = (
-            "calibration.ort_cpu_scheme: static quantizes its convolutions"
-            if {"Conv", "ConvTranspose"} & set(compute)
-            else "drop int8 from precision.variants for this model"
-        )
-        return f"it has no MatMul or Gemm{where} ({fix})"
+        return f"it has no MatMul or Gemm{where} ({_static_advice(model)})"
     weighted = [n for n in layers if len(n.input) > 1 and n.input[1] in stored]
     if not weighted:
         producer = {o: n for n in model.graph.node for o in n.output}
@@ -651,6 +647,33 @@ def _why_float(model: onnx.ModelProto, exclude: set[str], ops: list[str]) -> str
     return f"its {len(weighted)} MatMul/Gemm layers with stored weights are all kept in float: {'; '.join(said)}"
 
 
+def _static_advice(model: onnx.ModelProto) -> str:
+    """What the static scheme would change for a graph dynamic quantization left in float: its Conv layers computed
+    in int8 (:data:`ORT_CPU_STATIC_INTEGER`), not its ConvTranspose layers, which ONNX Runtime's CPU provider runs in
+    float under either scheme. Static is advised only where it computes something in int8, and beside ConvTranspose
+    layers only as far as the Conv layers hold the compute (their FLOPs are not counted here)."""
+    ops = Counter(n.op_type for n in model.graph.node)
+    convs, transposed = ops["Conv"], ops["ConvTranspose"]
+    if not transposed:
+        if convs:
+            return "calibration.ort_cpu_scheme: static computes its Conv layers in int8 (QLinearConv)"
+        return "drop int8 from precision.variants for this model"
+    no_kernel = "ONNX Runtime's CPU provider has no integer kernel for ConvTranspose under either scheme"
+    if convs:  # static is worth it only where the Conv layers, not the ConvTranspose ones, hold the compute
+        return (
+            f"static would compute its {convs} Conv in int8 (QLinearConv), not its {transposed} ConvTranspose "
+            f"({no_kernel}): calibration.ort_cpu_scheme: static only where the Conv layers hold most of its compute"
+        )
+    *first, last = ORT_CPU_STATIC_INTEGER
+    static = f"{', '.join(first)} and {last}"
+    return (
+        f"{no_kernel}; static computes only {static} in int8: use nn.Upsample + Conv2d for integer convolutions on the "
+        "CPU, build int8 on a GPU backend (TensorRT), or drop int8 from precision.variants for this model"
+    )
+
+
+# The op types ONNX Runtime's CPU provider computes in integers from a static (Q/DQ) graph, each with the kernel it
+# fuses its Q/DQ pairs into; it has none for a ConvTranspose, which it runs in float on the dequantized values.
 # compute ops dynamic quantization (op_types_to_quantize: MatMul, LSTM) leaves as they are: ONNX Runtime has no
 # dynamic int8 kernel for a GRU or an RNN
 FLOAT_COMPUTE = {"Conv", "ConvTranspose", "GRU", "RNN", "Einsum", "DFT", "STFT", "Attention"}

@@ -20,6 +20,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+# The float layers ONNX Runtime's CPU provider computes in integer kernels from a statically quantized (Q/DQ) graph,
+# and those kernels; it has none for ConvTranspose
+ORT_CPU_STATIC_INTEGER = {"Conv": "QLinearConv", "MatMul": "QLinearMatMul", "Gemm": "QGemm"}
+
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
 X86 = ("x86_64", "amd64", "x86", "i386", "i686")
 PRECISE_INT8 = "session.x64quantprecision"  # ORT session config entry: "1" = U8U8 GEMMs on x64

@@ -16,7 +16,7 @@ from kiln.pipeline.fingerprints import FINGERPRINTS
 from kiln.pipeline.runner import RunResult, cache_key, outputs_intact, read_manifest
 from kiln.pipeline.stage_list import STAGE_NAMES, STAGES, stage_named
 from kiln.stages.engines.registry import BACKENDS, backend_libraries
-from kiln.stages.validate.declaration import REQUIRED
+from kiln.stages.validate.declaration import REQUIRED, UNVALIDATED
 from kiln.stages.validate.report import inputs_record
 from kiln.stages.validate.report import report_section as validate_section
 
@@ -141,11 +141,12 @@ def result_line(report: dict[str, Any]) -> str:
 
 
 def _missing_precisions(report: dict[str, Any], engines: list[dict[str, Any]]) -> list[str]:
-    """A precision the run asked for that no engine has, with its reason: the precision stage's record of a variant
-    that failed (all-zero calibration data), else the build's (an INT8 graph not made: too little of it ran in INT8
-    to pass the gates). A pass without it says so beside the verdict, on every run; one skipped only for want of
-    its kernels on the device, and not in ``precision.required``, as the expected skip it is
-    (:func:`_expected_skip`)."""
+    """A precision the run asked for that no engine validated here has, with its reason: the precision stage's
+    record of a variant that failed (all-zero calibration data), else the build's (an INT8 graph not made: too little
+    of it ran in INT8 to pass the gates). A pass without it says so beside the verdict, on every run; one skipped
+    only for want of its kernels on the device, and not in ``precision.required``, as the expected skip it is
+    (:func:`_expected_skip`). One whose engines were built for another machine only is said by the build's skips
+    of it here (:func:`_not_validated_here`): the verdict names those engines already."""
     if not engines:  # the run stopped before validation: its error says why
         return []
     stages = report.get("stages", {})
@@ -154,9 +155,14 @@ def _missing_precisions(report: dict[str, Any], engines: list[dict[str, Any]]) -
     asked = [*(precision.get("variants") or {}), *failed]
     skipped = (stages.get("build", {}).get("summary") or {}).get("skipped") or []
     built = {e.get("precision") for e in engines}
+    validated = {e.get("precision") for e in engines if e.get("status") == "validated"}
     failures = (report.get("validation") or {}).get("failures") or []
     out = []
-    for p in dict.fromkeys(p for p in asked if p not in built):
+    for p in dict.fromkeys(p for p in asked if p not in validated):
+        if p in built:  # built for another machine only
+            if said := _not_validated_here(skipped, p, failures):
+                out.append(said)
+            continue
         if p not in failed and (expected := _expected_skip(skipped, p, failures)):
             out.append(expected)
             continue
@@ -179,7 +185,7 @@ def _expected_skip(skipped: list[str], precision: str, failures: list[str]) -> s
     kernels on the device (every skip of it the build's "none needed", or a backend's plan that builds it on a GPU
     only, :data:`GPU_ONLY`), where ``precision.required`` does not ask for it (no validation ``failures`` of it): a
     normal skip on a CPU, said as one. None: any other case."""
-    mine = [line for line in skipped if line.partition(": ")[0].endswith(f"-{precision}")]
+    mine = [line for line in skipped if _of(line, precision)]
     if not mine or not all(NO_KERNELS_FIX in line or GPU_ONLY.search(line) for line in mine):
         return None
     if any(f.startswith(REQUIRED) and f"no {precision} engine" in f for f in failures):
@@ -222,15 +228,44 @@ def _unmade_graph_engines(report: dict[str, Any], engines: list[dict[str, Any]])
     return [f"no {', '.join(names)} engine{'s' if len(names) > 1 else ''} ({why})" for why, names in unbuilt.items()]
 
 
-def _skipped_reason(skipped: list[str], precision: str) -> str:
+def _not_validated_here(skipped: list[str], precision: str, failures: list[str]) -> str | None:
+    """The result line's words for a precision whose engines were all built for another machine (a TensorRT INT8
+    engine on a CPU host): the build's skips of its engines here, one clause each, where one is no expected skip
+    (:func:`_expected_skip`: no kernels of it on the CPU) or ``precision.required`` asks for it. None: nothing to
+    add to the verdict's "built but not validated"."""
+    reasons = _skip_reasons(skipped, precision)
+    required = any(f.startswith(REQUIRED) and f"{precision} engines {UNVALIDATED}" in f for f in failures)
+    expected = all(NO_KERNELS_FIX in line or GPU_ONLY.search(line) for line in skipped if _of(line, precision))
+    if not reasons or (expected and not required):
+        return None
+    clauses = [
+        why.removeprefix("engine ") if why.startswith(f"engine {name} ") else f"{name}: {why}"
+        for name, why in reasons.items()
+    ]
+    return f"no {precision} engine validated on this machine ({'; '.join(clauses)})"
+
+
+def _of(line: str, precision: str) -> bool:
+    """Whether the build's ``skipped`` line ("name: why") is of an engine of ``precision``."""
+    return line.partition(": ")[0].endswith(f"-{precision}")
+
+
+def _skip_reasons(skipped: list[str], precision: str) -> dict[str, str]:
     """The build's reasons for not building the engines of ``precision`` (its ``skipped`` lines read "name: why
-    (fix: ...)"), without the fixes: one engine's alone, several each after its name (a CPU backend without FP16
-    kernels and a GPU one whose parser failed are two reasons); empty where it names none."""
+    (fix: ...)"), without the fixes, by engine name."""
     reasons = {}
     for line in skipped:
         name, _, why = line.partition(": ")
-        if name.endswith(f"-{precision}") and why:
+        if _of(line, precision) and why:
             reasons[name] = " ".join(why.split(" (fix: ")[0].split())
+    return reasons
+
+
+def _skipped_reason(skipped: list[str], precision: str) -> str:
+    """The build's reasons for not building the engines of ``precision`` (:func:`_skip_reasons`): one engine's
+    alone, several each after its name (a CPU backend without FP16 kernels and a GPU one whose parser failed are two
+    reasons); empty where it names none."""
+    reasons = _skip_reasons(skipped, precision)
     if len(reasons) == 1:
         return next(iter(reasons.values()))
     return "; ".join(f"{name}: {why}" for name, why in reasons.items())

@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -42,6 +42,7 @@ from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.fingerprints import FINGERPRINTS, dataset_fingerprint
 from kiln.pipeline.manifests import handed_on, out_of_date
 from kiln.pipeline.user_code import code_version, import_root
+from kiln.stages.engines.declaration import BuildSummary
 from kiln.stages.engines.registry import backend_libraries
 from kiln.stages.validate.declaration import NOT_BUILT, REQUIRED, UNVALIDATED
 from kiln.stages.validate.measured import NO_FINITE_FIX, unmeasured
@@ -72,14 +73,17 @@ class RunResult:
         return self.error is None
 
 
-def gate_hint(failures: list[str], status: str) -> str:
+def gate_hint(failures: list[str], status: str, backends: Collection[str] = (), skipped: Sequence[str] = ()) -> str:
     """The fix line for failed validation gates: relaxing a gate helps only where a number missed it; engines
-    this machine cannot run are validated where they run."""
+    this machine cannot run are validated where they run. ``backends``: the run's ``build.backends``, where a
+    backend this machine runs is already one (then the build's ``skipped`` lines say why it built none of the
+    precisions missing here: :func:`skipped_here`)."""
     if all(f.startswith(NONE_VALIDATED) or f.startswith(REQUIRED) and UNVALIDATED in f for f in failures):
-        return (
-            "validate the engines on a machine that runs them (`kiln validate` there), or add a backend this "
-            "machine runs (build.backends: [onnxruntime])"
-        )
+        there = "validate the engines on a machine that runs them (`kiln validate` there)"
+        if "onnxruntime" not in backends:
+            return f"{there}, or add a backend this machine runs (build.backends: [onnxruntime])"
+        here = skipped_here(failures, skipped)
+        return f"{there}; not built here: {here}" if here else there
     if all(f.startswith(REQUIRED) and NOT_BUILT in f for f in failures):  # no gate missed: none to relax
         return (
             "the result line says why none was built: a precision this device has no kernels for (FP16 on a CPU) is "
@@ -95,6 +99,23 @@ def gate_hint(failures: list[str], status: str) -> str:
         return NO_FINITE_FIX  # no gate or precision changes an output that is no number in PyTorch too
     cached = " (latency from an earlier run: `--force validate` measures again)" if status == "cached" else ""
     return f"see report.md; relax validate.gates only if the numbers are acceptable{cached}"
+
+
+def skipped_here(failures: list[str], skipped: Sequence[str]) -> str:
+    """The build's ``skipped`` lines ("name: why (fix: ...)") of the precisions ``failures`` find no engine of on
+    this machine (every precision where none could be validated), one clause each: the engine and its fix (its
+    reason where it has none)."""
+    lacking = {
+        f.removeprefix(REQUIRED).partition(" ")[0] for f in failures if f.startswith(REQUIRED) and UNVALIDATED in f
+    }
+    every = any(f.startswith(NONE_VALIDATED) for f in failures)
+    clauses = []
+    for line in skipped:
+        name, _, why = line.partition(": ")
+        if every or name.rpartition("-")[2] in lacking:
+            reason, _, fix = why.partition(" (fix: ")
+            clauses.append(f"{name}: {fix.removesuffix(')') if fix else reason}")
+    return "; ".join(clauses)
 
 
 def outputs_intact(stage_dir: Path, manifest: dict[str, Any], verified: dict[Path, str] | None = None) -> bool:
@@ -421,11 +442,20 @@ class Runner:
             if record.status != "failed" and failures and error is None:
                 error = GateFailure(
                     f"validation gates failed: {'; '.join(failures)}{self._kept_after(i)}",
-                    hint=gate_hint(failures, record.status),
+                    hint=gate_hint(failures, record.status, self.config.build.backends, self._build_skips(records)),
                 )
             if stop is not None and stage.name == stop:
                 break
         return RunResult(self.workdir, records, error)
+
+    def _build_skips(self, records: list[StageRecord]) -> list[str]:
+        """The engines the build stage did not build, each with why (:class:`BuildSummary`'s ``skipped``): this
+        run's build, else the one in the workdir (a one-stage ``kiln validate``)."""
+        summary = next((r.summary for r in records if r.name == "build" and r.summary is not None), None)
+        if isinstance(summary, BuildSummary):
+            return summary.skipped
+        manifest = read_manifest(self.workdir / "build") or {}
+        return list((manifest.get("summary") or {}).get("skipped") or [])
 
     def _check_ahead(self, stage: Stage) -> None:
         """Before the first stage of the run that does work, the quick checks (:attr:`Stage.checks`) of it and the

@@ -35,7 +35,7 @@ from kiln.stages.engines.reuse import PreviousBuild, inputs_key
 from kiln.stages.engines.sizes import checked_ranges, probe_graphs, record_checked
 from kiln.stages.export.batch_axes import batch_ties, first_axis_names, write_ties
 from kiln.stages.export.declaration import read_axis_steps
-from kiln.stages.precision.audit import audit_graph, doubt_fix, engine_audit, label_problem
+from kiln.stages.precision.audit import audit_graph, doubt_fix, engine_audit, kernel_fix, label_problem
 from kiln.stages.precision.config import PRECISIONS
 
 log = logging.getLogger("kiln.build")
@@ -186,7 +186,12 @@ def _from_data_low(bounds: list[int], data: list[int] | None) -> list[int]:
 
 
 class MislabelledEngine(BuildError):
-    """An engine whose precision label its own graph contradicts (an "FP16" engine that computes in FP32)."""
+    """An engine whose precision label its own graph contradicts (an "FP16" engine that computes in FP32); ``audit``:
+    the audit that contradicts it, whose ops in float say which fix applies (:func:`refusal_fix`)."""
+
+    def __init__(self, message: str, hint: str | None = None, audit: dict[str, Any] | None = None) -> None:
+        super().__init__(message, hint)
+        self.audit = audit or {}
 
 
 class UnsizedLabel(MislabelledEngine):
@@ -203,11 +208,12 @@ def refuse_mislabelled(audit: dict[str, Any], precision: str, name: str) -> None
         return
     doubt = doubt_fix(audit, precision)  # only nodes it could not size put the label in doubt
     if doubt:
-        raise UnsizedLabel(f"engine {name} is {problem}", hint=doubt)
+        raise UnsizedLabel(f"engine {name} is {problem}", hint=doubt, audit=audit)
     raise MislabelledEngine(
         f"engine {name} is {problem}",
         hint="build it with --precision matching the graph (or none: the audit labels it), or give the "
         "backend a graph in that precision (kiln precision makes them)",
+        audit=audit,
     )
 
 
@@ -333,12 +339,12 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                 except BuildError as exc:
                     if not backend.optional(settings) and not isinstance(exc, MislabelledEngine):
                         raise
-                    audit = isinstance(exc, MislabelledEngine)  # a measured fact about the runtime, not a failure
-                    (ctx.log.info if audit else ctx.log.warning)("skipping %s: %s", name, exc.message)
-                    kept = _kept_in_float(variants[precision], src)
-                    runtime = audit and not isinstance(exc, UnsizedLabel)  # not a label in doubt: its own fix
-                    fix = (kept_fix(precision, kept) if kept else run_fix(precision, device)) if runtime else exc.hint
-                    skipped.append(f"{name}: {exc.message} (fix: {fix})")
+                    fix, said = refusal_fix(exc, variants[precision], src, precision, device)
+                    if said:  # the user loses an engine they asked for: what to do is said with it
+                        ctx.log.warning("skipping %s: %s%s", name, exc.message, f" (fix: {fix})" if fix else "")
+                    else:
+                        ctx.log.info("skipping %s: %s", name, exc.message)
+                    skipped.append(f"{name}: {exc.message}" + (f" (fix: {fix})" if fix else ""))
                     continue
                 fields = {"name", "backend", "device", "precision", "size_bytes"}
                 entry = {**meta.model_dump(include=fields), "build_seconds": meta.build_seconds}
@@ -350,6 +356,30 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
             "build.backends: [onnxruntime] builds on any machine)",
         )
     return BuildSummary(engines=engines, skipped=skipped)
+
+
+def refusal_fix(exc: BuildError, variant: Any, src: str, precision: str, device: str) -> tuple[str, bool]:
+    """The fix for an optional engine the build skips after ``exc``, and whether the skip is said as a warning. An
+    audit's refusal (:class:`MislabelledEngine`) is a measured fact, said at info, where its runtime has no kernels
+    of ``precision`` on ``device`` at all or the graph left too little in ``precision``; where the runtime left
+    quantized ops in float for want of their integer kernels (:func:`kernel_fix`), the precision the user asked for
+    is lost to the runtime: a warning naming those ops. A label in doubt (:class:`UnsizedLabel`) and a failed build
+    keep their own fixes."""
+    if not isinstance(exc, MislabelledEngine):
+        return exc.hint or "", True
+    if isinstance(exc, UnsizedLabel):
+        return exc.hint or "", False
+    kernel = runtime_fix(exc.audit, precision, device)
+    if kernel is not None:
+        return kernel, True
+    kept = _kept_in_float(variant, src)
+    return (kept_fix(precision, kept) if kept else run_fix(precision, device)), False
+
+
+def runtime_fix(audit: dict[str, Any], precision: str, device: str) -> str | None:
+    """The fix for an engine whose runtime, with kernels of ``precision`` on ``device`` (:func:`has_kernels`), left
+    its quantized ops in float (:func:`~kiln.stages.precision.audit.kernel_fix`); None where it did not."""
+    return kernel_fix(audit, precision) if has_kernels(precision, device) else None
 
 
 def run_fix(precision: str, device: str) -> str:
@@ -538,11 +568,12 @@ def build_direct(
             raise
         raise MislabelledEngine(
             exc.message,
-            hint=run_fix(precision, device)
+            hint=runtime_fix(exc.audit, precision, device) or run_fix(precision, device)
             if has_kernels(precision, device)
             else f"the {backend} backend runs {precision} in another precision on {device.upper()}: build this "
             f"variant for a device with {precision} kernels (another --device or --backend), or build the fp32 "
             "variant here",
+            audit=exc.audit,
         ) from None
     return record_checked(out, meta, ranges)
 

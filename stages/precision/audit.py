@@ -48,6 +48,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from kiln.core.cpu_int8 import ORT_CPU_STATIC_INTEGER
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import (
     cast_to,
@@ -141,7 +142,16 @@ class Audit:
             "uncounted_nodes": dict(self.uncounted),
             "uncounted_ops": {op: dict(by) for op, by in sorted(self.uncounted_ops.items())},
             "counted_at": self.sizes,
-            **({"float_behind_dq": dict(Counter(self.float_behind_dq.values()))} if self.float_behind_dq else {}),
+            **(self._behind_dq_record() if self.float_behind_dq else {}),
+        }
+
+    def _behind_dq_record(self) -> dict[str, Any]:
+        """The ops left in float behind a DequantizeLinear, by op, and their share of the FLOPs counted: what the
+        low precision's share would gain had the runtime integer kernels for them."""
+        flops = sum(self.by_node[n][2] for n in self.float_behind_dq if n in self.by_node)
+        return {
+            "float_behind_dq": dict(Counter(self.float_behind_dq.values())),
+            "float_behind_dq_share": round(flops / self.total, 4) if self.total else 0.0,
         }
 
     def elsewhere(self, precision: str, kept: Collection[str] = ()) -> tuple[int, Counter[str]]:
@@ -711,6 +721,43 @@ def _float_behind_dq_note(audit: dict[str, Any]) -> str:
         f"; {names} {'runs' if sum(ops.values()) == 1 else 'run'} in float on the dequantized values: the runtime "
         "fused no integer op for them"
     )
+
+
+def kernel_fix(audit: dict[str, Any], label: str) -> str | None:
+    """The fix for an engine of ONNX Runtime's CPU provider refused because that runtime left compute ops quantized
+    in its graph in float behind a DequantizeLinear (``float_behind_dq``): a ConvTranspose, for which it has no
+    integer kernel, or an op of a kind it has one for that it did not fuse (:data:`ORT_CPU_STATIC_INTEGER`). None
+    where those ops are not why ``label`` falls short: the label holds, or would not hold with them in ``label``
+    (``float_behind_dq_share``: their share of the FLOPs) either."""
+    ops = audit.get("float_behind_dq") or {}
+    if not ops or label_problem(audit, label) is None:
+        return None
+    gained = audit.get("float_behind_dq_share")
+    if gained is not None and (audit.get("share") or {}).get(label, 0.0) + gained < MIN_SHARE:
+        return None
+    runtime = "ONNX Runtime's CPU provider"
+    no_kernel = [op for op in ops if op not in ORT_CPU_STATIC_INTEGER]
+    unfused = [op for op in ops if op in ORT_CPU_STATIC_INTEGER]
+    said = [f"{runtime} has no integer kernel for {_listed(no_kernel)}"] if no_kernel else []
+    if unfused:
+        by = "it fused" if no_kernel else f"{runtime} fused"
+        said.append(f"{by} no integer kernel for the quantized {_listed(unfused)} of this graph")
+    one = len(ops) == 1
+    ways = [INTEGER_INSTEAD[op] for op in no_kernel if op in INTEGER_INSTEAD]
+    ways += [f"build {label} on a GPU backend (TensorRT)", f"leave {label} out of precision.variants"]
+    return (
+        f"{'; '.join(said)}: its {label} engine would run {'it' if one else 'them'} in float; "
+        f"{', '.join(ways[:-1])}, or {ways[-1]}"
+    )
+
+
+# What computes in integers on ONNX Runtime's CPU provider in place of a layer it has no integer kernel for
+INTEGER_INSTEAD = {"ConvTranspose": "use nn.Upsample + Conv2d for integer convolutions on the CPU"}
+
+
+def _listed(ops: list[str]) -> str:
+    """``["ConvTranspose"]`` as "ConvTranspose", three ops as "A, B and C"."""
+    return ops[0] if len(ops) == 1 else f"{', '.join(ops[:-1])} and {ops[-1]}"
 
 
 def in_doubt(audit: dict[str, Any], label: str) -> bool:
