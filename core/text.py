@@ -25,14 +25,63 @@ def compiler_reason(exc: BaseException, limit: int = 300) -> str:
 
 
 def short_reason(exc: BaseException | str, limit: int = 400) -> str:
-    """The part of an error worth a log line: ORT's "[ONNXRuntimeError] : 1 : FAIL :" prefix dropped, one line,
-    and when still too long its head and its tail (nested ORT errors put the actual type error last)."""
-    text = " ".join(str(exc).split())
-    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    """The part of an error worth a log line: ORT's "[ONNXRuntimeError] : 1 : FAIL :" prefix and the C++ places it
+    quotes (:func:`drop_cpp_places`) dropped, one line, and when still too long its head and its tail (nested ORT
+    errors put the actual type error last)."""
+    text = drop_cpp_places(" ".join(str(exc).split()))
+    text = _ORT_PREFIX.sub("", text)
     if len(text) <= limit:
         return text
     head = limit // 3
     return f"{text[:head]} ... {text[-(limit - head - 5) :]}"
+
+
+def ort_reason(exc: BaseException | str, limit: int = 300) -> str:
+    """:func:`first_line` of an ONNX Runtime error without its ``[ONNXRuntimeError] : 1 : FAIL :`` prefix and the
+    C++ places it quotes (:func:`drop_cpp_places`): a kernel's file, line and signature come before its reason and
+    often fill the limit (``.../gather_elements.cc:150 void onnxruntime::core_impl(const Tensor*, ...) [with Tin =
+    long int]``), cutting off what failed (``GatherElements op: Out of range value in index tensor``)."""
+    text = drop_cpp_places(_ORT_PREFIX.sub("", _ANSI.sub("", str(exc)).strip()))
+    fallback = type(exc).__name__ if isinstance(exc, BaseException) else ""
+    return (text.splitlines() or [fallback])[0][:limit]
+
+
+_ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
+# A C++ source place as ONNX Runtime's messages quote it, "/onnxruntime_src/.../reshape_helper.h:91 ", and the
+# signature of the function there that may follow it
+_CPP_PLACE = re.compile(r"(?<!\S)\S+\.(?:cc|cpp|cxx|c|h|hpp|cu|cuh):\d+ ")
+_CPP_NAME = re.compile(r"[\w:<>,*&~ ]*\w(?:<[^()]*>)?")
+
+
+def drop_cpp_places(text: str) -> str:
+    """``text`` without the C++ places ONNX Runtime quotes in its errors: each source ``file:line`` and the function
+    signature after it (``onnxruntime::ReshapeHelper::ReshapeHelper(const onnxruntime::TensorShape&, ...)``, with
+    its ``const`` and ``[with T = float]``), which say where in ONNX Runtime's code, not what, failed."""
+    out: list[str] = []
+    start = 0
+    for place in _CPP_PLACE.finditer(text):
+        if place.start() < start:
+            continue
+        out.append(text[start : place.start()])
+        start = _signature_end(text, place.end())
+    return "".join(out) + text[start:]
+
+
+def _signature_end(text: str, at: int) -> int:
+    """Where the C++ function signature that starts at ``at`` (a return type and qualified name, its parameters in
+    brackets, ``const``, ``[with ...]``) ends, with the space after it; ``at`` where none starts there."""
+    name = _CPP_NAME.match(text, at)
+    if name is None or "::" not in name.group() or not text.startswith("(", name.end()):
+        return at
+    depth, end = 0, name.end()
+    for end in range(name.end(), len(text)):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        if depth == 0:
+            break
+    else:
+        return at  # unbalanced: no signature to drop
+    rest = re.match(r"\)(?: const)?(?: \[with [^\]]*\])? ?", text[end:])
+    return end + (rest.end() if rest else 1)
 
 
 def root_cause(exc: BaseException) -> BaseException:

@@ -17,10 +17,10 @@ from torch import nn
 from kiln.core.data import DatasetSplits, Feed, Inputs, feed_for_graph, from_feed, input_names, rows, take
 from kiln.core.errors import ModelError
 from kiln.core.shapes import Axes, axis_sizes, resize, shape_points
-from kiln.core.text import first_line
+from kiln.core.text import ort_reason
 from kiln.stages.export.parity import PARITY_ROWS, computes_untied, integers_over, over_tolerance, parity, parity_passes
 from kiln.stages.export.pinned_sizes import BRANCH_FIX, FIXED_SIZE_HINT, pinned_at, size_branch
-from kiln.stages.export.torch_export import ExportFailed, export_with_fallback
+from kiln.stages.export.torch_export import ExportFailed, export_with_fallback, fixed_places
 from kiln.stages.export.torch_sizes import direct_point, one_name_hint, own_sizes, rows_source, torch_at
 
 log = logging.getLogger("kiln.export")
@@ -90,7 +90,7 @@ def check_sizes_of(
         except ModelError:
             raise
         except Exception as exc:  # ONNX Runtime's own error: the graph holds the size it was exported at
-            over, why = True, first_line(exc)
+            over, why = True, ort_reason(exc, 400)
         else:
             why = over_tolerance(check, atol, rtol)
         if over and (by_value or indices) and computes_untied(model, path, session, x, feed, axes, point, atol, rtol):
@@ -128,7 +128,7 @@ def _fixed_size_error(
     start of the fix where two axes may be one (:func:`one_name_hint`); ``dynamo``: why the dynamo exporter
     failed, where the graph is the TorchScript exporter's (:func:`_fell_back`, :func:`_dynamo_hint`); ``worked``:
     sizes the graph computed the model at, which the fix offers where no line of the user's code fixed the size
-    (:func:`_library_fix`)."""
+    (:func:`_library_fix`), with the places the dynamo exporter found fixing it (:func:`fixed_places`)."""
     ties = f", or its integer outputs {indices} index scores that tie there (top-k, argmax), which runtimes order apart"
     return ModelError(
         f"the exported graph does not compute the model {where}: the exporter fixed a size that "
@@ -137,29 +137,36 @@ def _fixed_size_error(
         hint=_dynamo_hint(dynamo)
         + (f"if {indices} are indices of tied scores, {tie}; else " if indices else "")
         + named
-        + _size_fix(line, worked),
+        + _size_fix(line, worked, fixed_places(dynamo)),
     )
 
 
-def _size_fix(line: str, worked: dict[str, list[int]]) -> str:
+def _size_fix(line: str, worked: dict[str, list[int]], places: str = "") -> str:
     """The fix for a size the exporter fixed at ``line`` of the user's code: the branch on it made unconditional
     where that line is one (:func:`size_branch`), the size kept a tensor shape otherwise, and sizes where the graph
-    computes the model (``worked``) where no line of the user's was found (:func:`_library_fix`)."""
+    computes the model (``worked``) where no line of the user's was found (:func:`_library_fix`, naming ``places``,
+    where the dynamo exporter found the size fixed)."""
     if size_branch(line):
         return BRANCH_FIX + "; or give signature.shapes sizes on one side of the branch only"
-    return FIXED_SIZE_HINT if line else _library_fix(worked)
+    return FIXED_SIZE_HINT if line else _library_fix(worked, places)
 
 
-def _library_fix(worked: dict[str, list[int]]) -> str:
+def _library_fix(worked: dict[str, list[int]], places: str = "") -> str:
     """The fix where no line of the user's code was found fixing the size (:func:`pinned_at` cannot always tell
     one, so none is claimed not to): a library's module may have (a ``transformers`` model's ``if width % patch !=
-    0:`` pad, which its user cannot edit), so sizes on the side of its branch where the graph computes the model
-    (``worked``) come first, then the fix for the user's own code."""
+    0:`` pad, which its user cannot edit; named by ``places``, ``modeling_funnel.py:152``, where the dynamo exporter
+    found the lines), so sizes on the side of its branch where the graph computes the model (``worked``) come
+    first, then the fix for the user's own code."""
     listed = "{" + ", ".join(f"{k}: {v}" for k, v in worked.items()) + "}"
+    library = (
+        f"a library's module did, at {places}, where torch.export found the size fixed (a branch on the size, or a "
+        "size read as a Python number)"
+        if places
+        else "a library's module may have (a branch on the size, as a pad where width % patch != 0)"
+    )
     return (
-        "no line of your code was found fixing it; a library's module may have (a branch on the size, as a pad "
-        "where width % patch != 0): give signature.shapes sizes on the side of that branch where the graph computes "
-        f"the model, e.g. {listed} (where it does); else, in your own code, {FIXED_SIZE_HINT}"
+        f"no line of your code was found fixing it; {library}: give signature.shapes sizes on the side of that branch "
+        f"where the graph computes the model, e.g. {listed} (where it does); else, in your own code, {FIXED_SIZE_HINT}"
     )
 
 

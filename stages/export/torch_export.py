@@ -374,6 +374,19 @@ _TO_PYTHON = "Converting a tensor to a Python"
 _DATA_DEPENDENT = ("data-dependent", "data dependent", "DataDependent")
 
 
+DATA_BRANCH_FIX = (
+    "write the branch with tensor ops (torch.where) or torch.cond, which the dynamo exporter exports, or export the "
+    "model yourself and give Kiln the file (model: {onnx: model.onnx})"
+)
+
+
+def _data_dependent(dynamo: str) -> bool:
+    """Whether the dynamo exporter's failure (``dynamo``) is a guard on the inputs' values (``Could not guard on
+    data-dependent expression u1 < 64``): Python code that decides a branch or a size from them, which torch.export
+    cannot trace for every input."""
+    return any(k in dynamo for k in _DATA_DEPENDENT)
+
+
 def _traced_value(said: warnings.WarningMessage) -> str:
     """``file:line`` where a TracerWarning says the trace fixed a tensor's value outside torch's own code; else
     an empty string."""
@@ -397,7 +410,7 @@ def refuse_traced_branch(fixed: list[str], errors: list[str], validation: str = 
     at = f"{Path(named.group(1)).name}:{named.group(2)}" if named else None
     shown = [at] if at in fixed else fixed  # the branch's own line, not every shape read the trace warned of
     places = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
-    if validation and any(k in dynamo for k in _DATA_DEPENDENT):
+    if validation and _data_dependent(dynamo):
         built = f" (the distribution built at {at})" if at else ""
         raise ModelError(
             f"the dynamo exporter stopped at a branch on the inputs' values inside torch.distributions, at "
@@ -408,12 +421,11 @@ def refuse_traced_branch(fixed: list[str], errors: list[str], validation: str = 
             "set_default_validate_args(False) in the model factory (or validate_args=False where the distribution is "
             "made); the dynamo exporter then exports the model",
         )
-    if any(k in dynamo for k in _DATA_DEPENDENT):
+    if _data_dependent(dynamo):
         raise ModelError(
             f"the model decides a branch from its inputs' values at {places} ({dynamo}), and the TorchScript "
             "exporter traced only the branch its example took: the graph would take that branch for every input",
-            hint="write the branch with tensor ops (torch.where) or torch.cond, which the dynamo exporter exports, "
-            "or export the model yourself and give Kiln the file (model: {onnx: model.onnx})",
+            hint=DATA_BRANCH_FIX,
         )
     log.warning(
         "the TorchScript exporter fixed values the model's Python code reads from tensors at %s: the graph keeps "
@@ -463,8 +475,8 @@ def _fallback_hint(refused: str) -> str:
             "exports the model; or export the model yourself and give Kiln the file (model: {onnx: model.onnx})"
         )
     lost = re.findall(r" axis (\d+) \(([^)]+)\)", refused)
-    found = re.search(r", at (.+)$", refused)
-    at = f" at {found.group(1)}" if found else ""
+    places = fixed_places(refused)
+    at = f" at {places}" if places else ""
     others = {label: int(axis) for axis, label in lost if axis != "0"}  # the batch is export.dynamic_batch's
     if not others:
         return f"compute the sizes the code{at} takes from the batch {BATCH_FIXED_HINT}"
@@ -474,6 +486,16 @@ def _fallback_hint(refused: str) -> str:
         f"the whole axis: a Python loop over it (for t in range(x.shape[{next(iter(others.values()))}])) is unrolled "
         "to the export's size (cumsum or a vectorised scan is not)"
     )
+
+
+def fixed_places(refused: str) -> str:
+    """``a.py:3, b.py:9 and 2 more``: where the dynamo exporter found an axis that signature.dynamic_axes makes vary
+    fixed, as its failure (``refused``: :func:`export_with_fallback`'s) names them (:func:`_places`): the user's code
+    or a library's; empty for another failure, or where torch's log named none."""
+    if not refused.startswith(_FIXED_AXES):
+        return ""
+    found = re.search(r", at (.+)$", refused)
+    return found.group(1) if found else ""
 
 
 class ExportFailed(ModelError):
@@ -533,7 +555,9 @@ def _export_failed_hint(errors: list[str], opset: int, line: str = "", complex_v
     """The fix where both exporters failed: a later opset where the exporter names the one its op came in
     (``Support for this operator was added in version 20``: ``AffineGrid``, ``GridSample``'s modes); where the
     dynamo exporter failed only by fixing an axis that varies, how to keep sizes symbolic (at ``line``, the user's
-    code it fixed the axis in, where found), which lets it export; where the model computes with complex values
+    code it fixed the axis in, where found), which lets it export; where it stopped at a guard on the inputs'
+    values (:func:`_data_dependent`), the branch written with tensor ops, whatever the TorchScript exporter then
+    failed on (its trace would hold one side of the branch only); where the model computes with complex values
     (``complex_values``), their rewrite as real ones; else an op ONNX may not express."""
 
     versions = [int(v) for e in errors for v in re.findall(r"added in (?:opset )?version (\d+)", e)]
@@ -543,6 +567,11 @@ def _export_failed_hint(errors: list[str], opset: int, line: str = "", complex_v
     if any(e.startswith(f"dynamo exporter: {_FIXED_AXES}") for e in errors):
         fix = BRANCH_FIX if size_branch(line) else FIXED_SIZE_HINT
         return (f"in {line}, where the dynamo exporter fixed the size: " if line else "") + fix
+    dynamo = next((e for e in errors if e.startswith("dynamo exporter: ")), "")
+    if _data_dependent(dynamo):
+        named = re.search(r"\(in ([\w<>]+\(\) at [^)]+)\)$", dynamo)
+        at = f", in {named.group(1)}" if named else ""
+        return f"the dynamo exporter stopped at a branch on the inputs' values{at}: {DATA_BRANCH_FIX}"
     if complex_values:
         return COMPLEX_HINT
     return "the model may use an op ONNX cannot express; see the message above"
