@@ -113,8 +113,10 @@ def input_names(model: Any, x: Inputs) -> list[str]:
 
 
 def check_axes_name_inputs(model: Any, x: Inputs, dynamic_axes: Mapping[str, Any] | None) -> None:
-    """``signature.dynamic_axes`` keyed by the model's input names (:func:`input_names`), or one error saying
-    which keys are not: checked before training as well as at export, so a typo costs no training run."""
+    """``signature.dynamic_axes`` keyed by the model's input names (:func:`input_names`), each name one size in
+    ``x`` (:func:`check_tied_sizes`), or one error saying which keys are not, or which name is not: checked before
+    training as well as at export, so a typo costs no training run. The data check (:func:`check_splits`) does the
+    second for data as a tensor or a dict; a tuple's names come with the model, here."""
     names = input_names(model, x)
     unknown = sorted(set(dynamic_axes or {}) - set(names))
     if unknown:
@@ -126,6 +128,68 @@ def check_axes_name_inputs(model: Any, x: Inputs, dynamic_axes: Mapping[str, Any
             if single
             else "key signature.dynamic_axes by the model's input names",
         )
+    check_tied_sizes(x, names, dynamic_axes or {}, "the data")
+
+
+# An axis of signature.dynamic_axes as the data gives it: input name, axis, size
+_NamedAxis = tuple[str, int, int]
+
+
+def check_tied_sizes(x: Inputs, names: list[str], dynamic: Mapping[str, Mapping[Any, str]], whose: str) -> None:
+    """Axes that share a name in ``dynamic`` (``signature.dynamic_axes``) are one size: the exporter ties them, and
+    Kiln resizes them together. ``x`` (one batch, its inputs named ``names``; ``whose``: what it is, in words) giving
+    them different sizes is a mistake in the names (``{2: frames, 3: frames}`` for frames and height), said here
+    before the exporter fails on it; inputs the names do not match are left to the other checks."""
+    shapes = {n: tuple(t.shape) for n, t in zip(names, tensors(x))}
+    named: dict[str, list[_NamedAxis]] = {}
+    for name, dims in dynamic.items():
+        shape = shapes.get(str(name))
+        for axis, label in (dims or {}).items():
+            if shape is not None and 0 <= int(axis) < len(shape):
+                named.setdefault(str(label), []).append((str(name), int(axis), shape[int(axis)]))
+    for label, axes in named.items():
+        if len({size for *_, size in axes}) > 1:
+            raise _tied_error(label, axes, dynamic, whose)
+
+
+def _tied_error(
+    label: str, axes: list[_NamedAxis], dynamic: Mapping[str, Mapping[Any, str]], whose: str
+) -> DataContractError:
+    """The error for axes named ``label`` that ``whose`` gives different sizes; its fix names each size apart."""
+    inputs = {name for name, _, _ in axes}
+    if len(inputs) == 1:
+        where = f"input '{axes[0][0]}' axes " + _and_list(str(axis) for _, axis, _ in axes)
+    else:
+        where = _and_list(f"input '{name}' axis {axis}" for name, axis, _ in axes)
+    both = "both" if len(axes) == 2 else "all"
+    sizes = _and_list(str(size) for *_, size in axes)
+    return DataContractError(
+        f"{where} are {both} named '{label}' in signature.dynamic_axes, but {whose} gives them {sizes}: axes that "
+        "share a name have one size in every batch",
+        hint=f"give each axis its own name (signature.dynamic_axes: {_renamed(label, axes, dynamic)}), or, where "
+        "they must be equal, give data where they are",
+    )
+
+
+def _renamed(label: str, axes: list[_NamedAxis], dynamic: Mapping[str, Mapping[Any, str]]) -> str:
+    """``dynamic`` as YAML flow, the axes named ``label`` of each size but the first given a name of their own."""
+    taken = {str(lbl) for dims in dynamic.values() for lbl in (dims or {}).values()}
+    fresh = (f"{label}_{i}" for i in range(2, 2 + len(taken) + len(axes)) if f"{label}_{i}" not in taken)
+    by_size = {size: label if i == 0 else next(fresh) for i, size in enumerate(dict.fromkeys(s for *_, s in axes))}
+    new = {(name, axis): by_size[size] for name, axis, size in axes}
+    inner = (
+        f"{name}: {{"
+        + ", ".join(f"{int(ax)}: {new.get((str(name), int(ax)), lbl)}" for ax, lbl in (dims or {}).items())
+        + "}"
+        for name, dims in dynamic.items()
+    )
+    return "{" + ", ".join(inner) + "}"
+
+
+def _and_list(items: Any) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    words = list(items)
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
 def by_keyword(model: Any, names: list[str]) -> bool:
@@ -259,6 +323,8 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
         )
     names = _keys(vx)
     _check_dynamic_axes(vx, dynamic or {}, ref)
+    for split, x in (("train_x", tx), ("val_x", vx)):
+        check_tied_sizes(x, names, dynamic or {}, f"dataset '{ref}' {split}")
     for name, a, b in zip(names, tensors(tx), tensors(vx)):
         which = "" if isinstance(vx, torch.Tensor) else f"input '{name}': "
         if a.dtype != b.dtype:

@@ -28,7 +28,8 @@ log = logging.getLogger("kiln.export")
 
 
 def own_sizes(feed: Mapping[str, np.ndarray], axes: Axes) -> dict[str, int]:
-    """The size the data has on each named dynamic axis (its held-out rows')."""
+    """The size the data has on each named dynamic axis (its held-out rows'): one per name, which the data check
+    holds the axes sharing it to (:func:`kiln.core.data.check_tied_sizes`)."""
     return {
         label: feed[name].shape[int(axis)]
         for name, dims in axes.items()
@@ -90,6 +91,7 @@ def _sizes_hint(
     direct: bool = False,
     uncut: Mapping[str, list[int]] | None = None,
     split_has: bool = False,
+    fixed: bool = False,
 ) -> str:
     """What to do about a size the model fails at: Kiln made a smaller one by cutting the data's rows (which drops
     what the rest of a row needs: a sequence's end-of-text token, nodes a graph's edges still index),
@@ -98,19 +100,21 @@ def _sizes_hint(
     sizes alone, which would check no other size. ``uncut``: sizes Kiln makes from the held-out rows without cutting
     them that the model takes (:func:`_uncut_sizes`), suggested in place of the rows' own alone, which would lock
     the engine to one size; ``split_has``: the training split's rows have the size cut to, which is where that size
-    came from."""
+    came from; ``fixed``: the fix already leads with removing the axis (:func:`_fixed_axis_error`), not said again."""
     cut = {k: own[k] for k, v in point.items() if k in own and v < own[k] and v not in listed.get(k, ())}
     given = ", ".join(f"{k}={v}" for k, v in point.items() if v in listed.get(k, ()) and v != own.get(k, v))
     example = "{" + ", ".join(f"{k}: [{own.get(k, v)}]" for k, v in point.items()) + "}"
     if cut:
-        return _cut_hint(point, cut, example, direct, uncut, split_has)
+        return _cut_hint(point, cut, example, direct, uncut, split_has, fixed)
+    listing = "signature.shapes" if direct else f"signature.shapes, e.g. {example}"
     if given:
-        return (
-            f"signature.shapes lists {given}: list there only sizes the model takes, or remove that axis from "
-            "signature.dynamic_axes if it takes one size"
+        return f"signature.shapes lists {given}: list there only sizes the model takes" + (
+            "" if fixed else ", or remove that axis from signature.dynamic_axes if it takes one size"
         )
+    if fixed:
+        return f"list sizes it takes in {listing}"
     return "if the model takes one size, remove that axis from signature.dynamic_axes; else list sizes it takes in " + (
-        "signature.shapes" if direct else f"signature.shapes, e.g. {example}"
+        listing
     )
 
 
@@ -121,10 +125,12 @@ def _cut_hint(
     direct: bool,
     uncut: Mapping[str, list[int]] | None,
     split_has: bool,
+    fixed: bool = False,
 ) -> str:
     """:func:`_sizes_hint` where Kiln cut the rows (``cut``: their own size of each axis it cut): whose rows have
     the size, and sizes to validate at that need no cutting (``uncut`` where given, else the rows' own). Where the
-    training split's rows have the size (``split_has``), the model takes it, so the cutting is the cause."""
+    training split's rows have the size (``split_has``), the model takes it, so the cutting is the cause.
+    ``fixed``: the fix leads with removing the axis, which is not offered again."""
     sizes = ", ".join(f"{k}={v}" for k, v in cut.items())
     if direct:
         fix = "list sizes it takes in signature.shapes"
@@ -140,8 +146,8 @@ def _cut_hint(
         return (
             f"Kiln made that size by cutting {rows_source(direct)}'s rows (its own: {sizes}), which drops what the "
             "rest of a row needs (a sequence's end token, nodes a graph's edges still index) or gives a size the "
-            f"model's strides or pooling do not divide: {fix}; or remove the axis from signature.dynamic_axes if the "
-            "model takes one size"
+            f"model's strides or pooling do not divide: {fix}"
+            + ("" if fixed else "; or remove the axis from signature.dynamic_axes if the model takes one size")
         )
     at = ", ".join(f"{k}={point[k]}" for k in cut)
     return (
@@ -271,28 +277,98 @@ def torch_at(
 ) -> dict[str, np.ndarray]:
     """PyTorch's outputs at ``point`` (``feeds``: the data's, first the rows resized; ``listed``: the sizes
     ``signature.shapes`` gives; ``direct``: ``kiln export -o``'s example, not data); an error naming the size and
-    what to change where the model itself fails there, or where an output of it holds no finite value there
-    (:func:`_nothing_finite_error`; :func:`_padded_to_nothing` where Kiln's zero padding is what gives that)."""
-    at = ", ".join(f"{k}={v}" for k, v in point.items())
+    what to change where the model itself fails there (:func:`_fails_at`), or where an output of it holds no finite
+    value there (:func:`_nothing_finite_error`; :func:`_padded_to_nothing` where Kiln's zero padding gives that)."""
     own = own_sizes(feeds[0], axes)
     try:
         ref = torch_outputs(model, inputs)
     except Exception as exc:
-        steps = _steps_hint(model, inputs, point, feeds[0], axes, listed)
-        runs = "a size the export checks" if direct else "a size the later stages run it at"
-        raise ModelError(
-            f"the model fails at {at}, {runs} since signature.dynamic_axes makes that axis vary: {error_reason(exc)}",
-            hint=steps
-            or one_name_hint(feeds, axes, point, rows_source(direct))
-            + _untied_hint(feeds[0], axes, point, rows_source(direct))
-            + _sizes_hint(point, own, listed, direct, *_uncut_if_cut(model, inputs, point, feeds, axes, direct)),
-        ) from None
+        raise _fails_at(model, inputs, point, feeds, axes, listed, direct, error_reason(exc)) from None
     empty = nothing_finite(ref)
     if empty and _zeros_give_it(model, inputs, point, feeds[0], axes):
         raise _padded_to_nothing(empty[0], point, own, direct)
     if empty:
         raise _nothing_finite_error(empty[0], point, own, listed, direct)
     return ref
+
+
+def _fails_at(
+    model: nn.Module,
+    inputs: Inputs,
+    point: Mapping[str, int],
+    feeds: list[Feed],
+    axes: Axes,
+    listed: Mapping[str, list[int]],
+    direct: bool,
+    reason: str,
+) -> ModelError:
+    """:func:`torch_at`'s error where PyTorch fails at ``point`` (``reason``: why). The fix is the first that
+    explains it: a size off the model's steps, axes one name should tie or an input that should follow the axis, an
+    axis the model fixes (:func:`_fixed_axis`), else what to do about the size (:func:`_sizes_hint`)."""
+    at = ", ".join(f"{k}={v}" for k, v in point.items())
+    runs = "a size the export checks" if direct else "a size the later stages run it at"
+    message = f"the model fails at {at}, {runs} since signature.dynamic_axes makes that axis vary: {reason}"
+    steps = _steps_hint(model, inputs, point, feeds[0], axes, listed)
+    if steps:
+        return ModelError(message, hint=steps)
+    source = rows_source(direct)
+    tie = one_name_hint(feeds, axes, point, source) + _untied_hint(feeds[0], axes, point, source)
+    fixed = None if tie else _fixed_axis(model, inputs, point, feeds, axes, listed)
+    own = own_sizes(feeds[0], axes)
+    sizes = _sizes_hint(
+        point, own, listed, direct, *_uncut_if_cut(model, inputs, point, feeds, axes, direct), fixed=bool(fixed)
+    )
+    if fixed is None:
+        return ModelError(message, hint=tie + sizes)
+    label, tried = fixed
+    return _fixed_axis_error(message, label, own[label], tried, feeds[0], axes, source, sizes)
+
+
+def _fixed_axis(
+    model: nn.Module,
+    like: Inputs,
+    point: Mapping[str, int],
+    feeds: list[Feed],
+    axes: Axes,
+    listed: Mapping[str, list[int]],
+) -> tuple[str, list[int]] | None:
+    """An axis of ``point`` at a size Kiln made (not one ``listed``, which the fix for a listed size speaks of)
+    that the model itself fixes, with the sizes it was tried at: the data (every one of ``feeds``) has one size
+    there, and PyTorch, the other axes at the data's sizes, runs at it but not at ``point``'s, one more or twice it
+    (a channel axis named as frames takes 3 alone); None where none is. A model that fails only at a size Kiln cut
+    (a sequence's end token dropped) runs at one of the larger ones."""
+    own = own_sizes(feeds[0], axes)
+    row = {k: v[:1] for k, v in feeds[0].items()}
+    for label, size in point.items():
+        if label not in own or size == own[label] or size in listed.get(label, ()):
+            continue
+        if any(own_sizes(f, axes).get(label) != own[label] for f in feeds):
+            continue
+        runs = runs_at(model, row, like, axes, own, label)
+        tried = sorted({size, own[label] + 1, 2 * own[label]})
+        if runs(own[label]) and not any(runs(s) for s in tried):
+            return label, tried
+    return None
+
+
+def _fixed_axis_error(
+    message: str, label: str, size: int, tried: list[int], feed: Feed, axes: Axes, source: str, sizes: str
+) -> ModelError:
+    """The error where the model fixes the axes named ``label`` at ``size`` (:func:`_fixed_axis`; ``tried``: the
+    sizes it fails at): the fix leads with removing them from ``signature.dynamic_axes``, then naming the axis that
+    varies if another does (``feed``: ``source``'s rows, whose sample shapes it shows), then ``sizes``, the fix
+    where the model does take other sizes (:func:`_sizes_hint`)."""
+    where = [(name, int(axis)) for name, dims in axes.items() for axis, lbl in dims.items() if lbl == label]
+    places = " and ".join(f"axis {axis} of '{name}'" for name, axis in where)
+    failed = ", ".join(map(str, tried[:-1])) + f" or {tried[-1]}" if len(tried) > 1 else str(tried[0])
+    shown = ", ".join(f"'{name}' {list(feed[name].shape[1:])}" for name in dict.fromkeys(n for n, _ in where))
+    axis_word = "axis" if len(where) == 1 else "axes"
+    return ModelError(
+        f"{message}; the model fixes {places} ({label}): it runs at {source}'s {size} alone there, not at {failed}",
+        hint=f"remove the {axis_word} from signature.dynamic_axes ({places}: the model takes only {size} there); if "
+        f"another axis varies, name that one instead (samples in {source}: {shown}); if the model does take other "
+        f"sizes: {sizes}",
+    )
 
 
 def _nothing_finite_error(
