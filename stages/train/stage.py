@@ -396,7 +396,9 @@ def _cannot_take(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, 
         wrong, dtype = off
         hint = _dtype_fix([names[i] for i in wrong], [parts[i].dtype for i in wrong], dtype, data.name)
     else:
-        hint = "make data.name/data.params produce what the model expects, or change model.params" + (
+        hint = _known_fix(
+            exc
+        ) or "make data.name/data.params produce what the model expects, or change model.params" + (
             f" (or fix {frame.name}() in {frame.filename} line {frame.lineno})" if frame else ""
         )
     return ModelError(
@@ -404,6 +406,20 @@ def _cannot_take(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, 
         + (f" (in {where(frame)})" if frame else ""),
         hint=hint,
     )
+
+
+# Libraries' errors of a model built without a setting it needs, and the setting: no change of data helps
+KNOWN_FIXES = {
+    "no padding token is defined": "set pad_token_id in the model's config where the factory builds it "
+    "(GPT2Config(pad_token_id=...), or model.config.pad_token_id = model.config.eos_token_id): a transformers "
+    "sequence classifier finds each row's last token by it",
+}
+
+
+def _known_fix(exc: Exception) -> str | None:
+    """The fix for a library's error whose cause is a model setting (:data:`KNOWN_FIXES`), else None."""
+    text = str(exc)
+    return next((fix for said, fix in KNOWN_FIXES.items() if said in text), None)
 
 
 def _dtype_fix(names: list[str], given: list[torch.dtype], dtype: torch.dtype, data_ref: str) -> str:
