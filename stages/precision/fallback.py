@@ -10,6 +10,12 @@ A node's blame is how much larger the error of its output is than the error of i
 to the FP32 graph on the same samples): error a node merely passes on is not its fault. When a node already
 kept in FP32 still tops the list, the damage arrives through its inputs' rounding (e.g. ``(x + 4096) - 4096``),
 so its producers are kept next.
+
+In a quantized graph (INT8, FP8) an op that computes nothing (:data:`CARRIES`: a Relu, a MaxPool, a Reshape) only
+carries the values it gets: the Q/DQ pairs around it quantize the tensors of the compute nodes before and after it,
+and keeping it alone in float leaves them in place. Its output error is charged to the node that computes its input
+(:func:`_owner`); and a round whose graph would be one already judged (keeping its nodes in float changed nothing)
+is no round: its nodes are passed over and the next ones picked (:func:`_changing_picks`).
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnx
 
+from kiln.core.artifacts import hash_file
 from kiln.core.text import fmt
 from kiln.stages.accuracy.check import COUNT_SLACK, gates_for
+from kiln.stages.precision.audit import LAYOUT_OPS
 from kiln.stages.precision.compare import Samples, computing_nodes, matching_tensors, take_rows, tensor_errors
 from kiln.stages.precision.config import FallbackConfig
 from kiln.stages.precision.fp16_select import INDEX_OPS
@@ -37,6 +45,10 @@ from kiln.stages.precision.gate import GateCheck, Verdict
 
 log = logging.getLogger("kiln.precision")
 BLAME_SAMPLES = 32  # per-tensor comparison holds every activation in memory: a few samples suffice
+QUANTIZED = ("int8", "fp8")  # precisions whose graphs quantize tensors with Q/DQ pairs
+# Ops that compute nothing in a quantized graph: they move, select or clip the values they get, and ONNX Runtime's
+# quantizer quantizes one only where its input already is, for the compute nodes around it
+CARRIES = LAYOUT_OPS | {"Relu", "Clip", "MaxPool", "GlobalMaxPool", "Slice"}
 
 
 @dataclass
@@ -206,12 +218,13 @@ def run_fallback(
     best: tuple[Verdict, int, dict[str, str], MetricGap | None] | None = None  # verdict, round, nodes kept, metric
     helped: list[bool] = []  # per round after the first: did its nodes improve on the best before them
     added: list[set[str]] = []  # per round after the first: the nodes it kept
+    ready: tuple[frozenset[str], Path] | None = None  # the next round's graph, where picking it built it already
     for round_no in range(cfg.max_rounds + 1):
         say = _ROUND_NOTE.get()
         if say is not None:
             say(f"{label}: round {round_no} of at most {cfg.max_rounds} ({len(kept)} nodes kept in float)")
         start = time.perf_counter()
-        result.path = build(set(kept))
+        result.path = ready[1] if ready is not None and ready[0] == set(kept) else build(set(kept))
         verdict = check(result.path, precision, cfg)
         gap = metric_gap(check, precision, verdict.metrics)
         held = {"held": len(label.held)} if isinstance(label, Label) and label.held else {}
@@ -236,16 +249,13 @@ def run_fallback(
             break
         if not cfg.enabled or round_no == cfg.max_rounds:
             break
-        picks = blame(
-            check.fp32,
-            result.path,
-            _informative(check.samples, verdict.ref, verdict.got),
-            candidates,
-            set(kept),
-            cfg.nodes_per_round,
-        )
+        quantized = precision in QUANTIZED
+        picks, inert, ready = _next_picks(build, check, verdict, result.path, candidates, kept, cfg, quantized, label)
+        if inert:
+            result.rounds[-1]["inert"] = inert
         if not picks:
-            log.warning("%s: no node left to keep in FP32; the gates are not reachable by fallback", label)
+            left = " whose keeping changes the graph" if inert else ""
+            log.warning("%s: no node left to keep in FP32%s; the gates are not reachable by fallback", label, left)
             break
         for name, why in picks.items():
             kept[name] = f"fallback round {round_no + 1}: {why}"
@@ -267,6 +277,61 @@ def run_fallback(
     result.kept, result.passed, result.failures = kept, verdict.passed, list(verdict.failures)
     result.metrics = verdict.metrics
     return result
+
+
+def _next_picks(
+    build: Callable[[set[str]], Path],
+    check: GateCheck,
+    verdict: Verdict,
+    path: Path,
+    candidates: set[str],
+    kept: dict[str, str],
+    cfg: FallbackConfig,
+    quantized: bool,
+    label: str,
+) -> tuple[dict[str, str], list[str], tuple[frozenset[str], Path] | None]:
+    """The nodes the next round keeps in float, blamed on the round's graph at ``path`` (its ``verdict``'s flipped
+    samples first). In a quantized graph, only nodes whose keeping changes it: picks that leave it as it was (its
+    file the same) are no round, passed over for the next ones (:func:`_changing_picks`). Returns the picks, the
+    nodes passed over, and the graph built for the picks (the next round's; None where none was built)."""
+    samples = _informative(check.samples, verdict.ref, verdict.got)
+
+    def pick(skip: set[str]) -> dict[str, str]:
+        return blame(check.fp32, path, samples, candidates - skip, set(kept), cfg.nodes_per_round, quantized)
+
+    if not quantized:
+        return pick(set()), [], None
+    return _changing_picks(build, pick, set(kept), hash_file(path), label)
+
+
+def _changing_picks(
+    build: Callable[[set[str]], Path],
+    pick: Callable[[set[str]], dict[str, str]],
+    kept: set[str],
+    digest: str,
+    label: str,
+) -> tuple[dict[str, str], list[str], tuple[frozenset[str], Path] | None]:
+    """``pick(passed_over)``'s nodes whose keeping in float beside ``kept`` changes the graph, whose file's hash is
+    ``digest``: a quantized graph quantizes a tensor for every quantized node beside it, so keeping one node in float
+    may leave its graph as it was, and judging that again would spend a round on nothing and count it as one that
+    did not help. Such picks are passed over and the next ones picked, until a pick changes the graph or none is
+    left. Returns the picks, those passed over, and the graph built for the picks."""
+    inert: set[str] = set()
+    while True:
+        picks = pick(inert)
+        if not picks:
+            return picks, sorted(inert), None
+        trial = frozenset(kept | set(picks))
+        built = build(set(trial))
+        if hash_file(built) != digest:
+            return picks, sorted(inert), (trial, built)
+        log.info(
+            "%s: keeping %s in float leaves the graph as it was (its tensors stay quantized for the nodes around "
+            "them): no round for them, the next nodes are picked",
+            label,
+            ", ".join(sorted(picks)),
+        )
+        inert |= set(picks)
 
 
 def _log_round(label: str, round_no: int, rounds: int, kept: dict[str, str], verdict: Verdict, seconds: float) -> None:
@@ -396,12 +461,20 @@ def _informative(x: Samples, ref: np.ndarray, got: np.ndarray) -> Samples:
 
 
 def blame(
-    fp32: onnx.ModelProto, model: Path, x: Samples, candidates: set[str], kept: set[str], count: int
+    fp32: onnx.ModelProto,
+    model: Path,
+    x: Samples,
+    candidates: set[str],
+    kept: set[str],
+    count: int,
+    quantized: bool = False,
 ) -> dict[str, str]:
     """The ``count`` nodes whose output error most exceeds their inputs' error, with a reason each. A tensor is
     compared only with the one the variant computes with the same op (:func:`matching_tensors`): where a quantizer
     fused a Relu into its Conv, the Conv is scored on its own output and the Relu, which has no counterpart, is
-    not scored; an input without a counterpart carries the error measured nearest upstream, not none."""
+    not scored; an input without a counterpart carries the error measured nearest upstream, not none. In a
+    ``quantized`` graph an op of :data:`CARRIES` is not scored itself: its output's error is its owner's
+    (:func:`_owner`) against that one's inputs, the quantization it carries being that node's."""
     variant = onnx.load(str(model), load_external_data=False)
     nodes = [n for n in fp32.graph.node if n.op_type not in INDEX_OPS and n.output]
     float_tensors = _float_tensors(fp32)
@@ -411,22 +484,15 @@ def blame(
     carried = _carried_errors(fp32, err, float_tensors)
     fused = _fused_into(fp32, variant)
     producers = {o: n for n in fp32.graph.node for o in n.output}
-    scored: list[tuple[float, onnx.NodeProto, float]] = []
-    for n in nodes:
-        if not any(o in err for o in n.output):
-            continue  # no counterpart in the variant (fused into another node): its error is that node's
-        out_err = max(err[o] for o in n.output if o in err)
-        in_err = max((carried.get(i, 0.0) for i in n.input if i), default=0.0)
-        scored.append((_jump(out_err, in_err), n, out_err))
-    scored.sort(key=lambda s: -s[0])
     picks: dict[str, str] = {}
-    for jump, n, out_err in scored:
+    for jump, n, out_err, via in _scores(nodes, err, carried, producers, quantized):
         if len(picks) >= count or not jump > 1e-6:
             break
-        why = _reason(jump, out_err, sorted(k for k, v in fused.items() if v == n.name))
+        why = _reason(jump, out_err, sorted(k for k, v in fused.items() if v == n.name), via)
         if n.name in kept:  # the error comes in through its inputs: keep the nodes that produce them
             for i in n.input:
                 p = producers.get(i)
+                p = _owner(p, producers) if quantized and p is not None and p.op_type in CARRIES else p
                 name = fused.get(p.name, p.name) if p is not None else None  # a fused Relu: the Conv it is part of
                 op = p.op_type if p is not None else None
                 if name in candidates and name not in kept and op not in INDEX_OPS:
@@ -436,11 +502,49 @@ def blame(
     return picks
 
 
-def _reason(jump: float, out_err: float, fused: list[str]) -> str:
+Score = tuple[float, onnx.NodeProto, float, onnx.NodeProto | None]  # jump, node, output error, op it is seen after
+
+
+def _scores(
+    nodes: list[onnx.NodeProto],
+    err: dict[str, float],
+    carried: dict[str, float],
+    producers: dict[str, onnx.NodeProto],
+    quantized: bool,
+) -> list[Score]:
+    """Each node's jump (:func:`_jump`) from its inputs' error to its output's, largest first. In a ``quantized``
+    graph an op of :data:`CARRIES` scores for its owner (:func:`_owner`), from the owner's inputs to its own output,
+    named as the op it is seen after; a node keeps its largest score."""
+    best: dict[str, Score] = {}
+    for n in nodes:
+        if not any(o in err for o in n.output):
+            continue  # no counterpart in the variant (fused into another node): its error is that node's
+        owner = _owner(n, producers) if quantized and n.op_type in CARRIES else n
+        if owner is None:
+            continue  # it carries a graph input's quantization, which no node computes
+        out_err = max(err[o] for o in n.output if o in err)
+        in_err = max((carried.get(i, 0.0) for i in owner.input if i), default=0.0)
+        score = (_jump(out_err, in_err), owner, out_err, None if owner is n else n)
+        if owner.name not in best or score[0] > best[owner.name][0]:
+            best[owner.name] = score
+    return sorted(best.values(), key=lambda s: -s[0])
+
+
+def _owner(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> onnx.NodeProto | None:
+    """The node whose values an op of :data:`CARRIES` carries: the first one up its data input (through other such
+    ops) that computes them. Keeping that one in float removes the quantization of its output, which ONNX Runtime's
+    quantizer gives the carrying ops only where their input is quantized. None: it carries a graph input or a weight."""
+    while node.op_type in CARRIES and node.input and node.input[0] in producers:
+        node = producers[node.input[0]]
+    return None if node.op_type in CARRIES else node
+
+
+def _reason(jump: float, out_err: float, fused: list[str], via: onnx.NodeProto | None = None) -> str:
     if not np.isfinite(jump):
         return "first node whose output is not finite (FP16 overflow)"
     within = f"; {', '.join(fused)} fused into it by the quantizer" if fused else ""
-    return f"output error {out_err:.3g} vs inputs' {out_err - jump:.3g} (relative L2 vs FP32{within})"
+    seen = f" at {via.name}'s output (a {via.op_type}, which passes this node's output on)" if via is not None else ""
+    return f"output error {out_err:.3g}{seen} vs inputs' {out_err - jump:.3g} (relative L2 vs FP32{within})"
 
 
 def _carried_errors(fp32: onnx.ModelProto, err: dict[str, float], float_tensors: set[str]) -> dict[str, float]:
