@@ -1,5 +1,6 @@
 """Calibration batches on disk, for stages after the precision stage: the torch backend calibrates FP8/INT8 scales
-on the PyTorch model itself, from the same batches the precision stage calibrated the ONNX graphs with.
+on the PyTorch model itself, from the same batches the precision stage calibrated the ONNX graphs with, and runs
+the model on their rows while it builds (capture, checks, warm-up) rather than on random inputs.
 
 One ``.npz`` of ``"<batch>/<input>"`` arrays, the inputs named as the graph names them; numpy only, so reading it
 imports no framework.
@@ -7,6 +8,7 @@ imports no framework.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -46,3 +48,26 @@ def load_feeds(path: Path, names: list[str]) -> list[dict[str, np.ndarray]]:
         return [
             {n: saved[f"{i}/{n}"] for n in names} for i in range(count) if all(f"{i}/{n}" in saved.files for n in names)
         ]
+
+
+def sample_rows(path: Path, names: list[str], count: int) -> dict[str, np.ndarray] | None:
+    """``count`` saved samples of each of ``names``, row i of every input from the same sample, the saved rows
+    taken in turn where there are fewer: real inputs for a backend's own runs of the model (random ones can break
+    what the model assumes of them, as a box's ``x1 >= x0``). The batches pooled are those at the first one's sizes
+    on the other axes, sizes the model takes. None where no saved batch holds every input."""
+    stat = path.stat()
+    pooled = _pooled(path, tuple(names), stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    if pooled is None:
+        return None
+    return {n: a[np.arange(count) % len(a)] for n, a in pooled.items()}
+
+
+@functools.lru_cache(maxsize=2)
+def _pooled(path: Path, names: tuple[str, ...], *_stamp: int) -> dict[str, np.ndarray] | None:
+    """The saved batches of ``names`` at the first one's sizes, concatenated; read once per file version
+    (``_stamp``: its inode, modification time and size), since a build asks at each batch size it runs."""
+    feeds = [f for f in load_feeds(path, list(names)) if all(len(a) for a in f.values())]
+    if not feeds:
+        return None
+    same = [f for f in feeds if all(f[n].shape[1:] == feeds[0][n].shape[1:] for n in names)]
+    return {n: np.concatenate([f[n] for f in same]) for n in names}

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kiln.calibration.config import CalibrationConfig
-from kiln.calibration.data import Batch, batch_limit, calibration_batches
+from kiln.calibration.data import Batch, batch_limit, calibration_batches, dataset_batches
 from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.calibration.feeds import save_feeds
 from kiln.calibration.quantize import DYNAMIC_RECURRENT, check_exclusions, quantizable_op_types
@@ -76,8 +76,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     # at most the rows a call reads (a batch-of-one graph network reads row 0 only): every calibration row is read
     limit = batch_limit(ctx.config.signature.batch_sizes, inputs, outputs)
     batches = calibration_batches(data, ccfg, ctx.config.seed, names, inputs, limit) if needs_data else []
-    if lowbit and batches:
-        save_feeds(batches, names, ctx.out / FEEDS_FILE)
+    save_samples(ctx, data, names, batches, lowbit)
     sizes = _axis_sizes(data, names, ctx)
     if not ccfg.reader:  # the user's reader gives the sizes it means to; the data's batches take validation's too
         batches += at_validated_shapes(batches, validated_axes(ctx, inputs), sizes)
@@ -160,6 +159,31 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
         **node_report,
         calibration_cache=str(cache_dir / "calibration") if cache_dir else None,
     )
+
+
+def save_samples(
+    ctx: StageContext[PrecisionSettings], data: DatasetSplits, names: list[str], batches: list[Batch], lowbit: bool
+) -> None:
+    """The calibration batches as feeds for the torch backend (:mod:`kiln.calibration.feeds`), which compiles the
+    PyTorch model itself: its FP8/INT8 engines calibrate on them (``lowbit``), and every engine's build runs the
+    model on their rows, not on random inputs that can break what the model assumes of them (a box's ``x1 >= x0``).
+    Saved wherever a PyTorch model is named: this stage is not told which backends build (a stage reads only the
+    config it declares). Without a low-bit variant only the rows a build runs (the largest batch) are saved, taken
+    from ``batches`` where the variants needed them, else from the dataset (no calibration.reader call); ``batches``
+    itself, which the variants are made from, is not touched."""
+    if lowbit:
+        if batches:
+            save_feeds(batches, names, ctx.out / FEEDS_FILE)
+        return
+    if not torch_model_named(ctx.config.model):
+        return
+    samples = batches or dataset_batches(data, ctx.config.calibration, ctx.config.seed, names)
+    if samples:
+        most = min(max(*ctx.config.signature.batch_sizes, 2), SAMPLE_ROWS)
+        save_feeds(samples, names, ctx.out / FEEDS_FILE, max_rows=most)
+
+
+SAMPLE_ROWS = 128  # at most, saved for the torch backend's own runs of the model (rows are taken in turn past it)
 
 
 def build_variants(

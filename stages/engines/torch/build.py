@@ -33,7 +33,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kiln.calibration.feeds import load_feeds
+from kiln.calibration.feeds import load_feeds, sample_rows
 from kiln.core.data import by_keyword
 from kiln.core.errors import BuildError, ConfigError
 from kiln.core.inputs import largest_sizes, random_inputs
@@ -249,6 +249,36 @@ def _example_sizes(req: BuildRequest) -> dict[str, dict[int, int]] | None:
 
 
 def _example_feed(req: BuildRequest, batch: int) -> dict[str, Any]:
+    """``batch`` rows the build runs the model on (capture, checks, warm-up): the precision stage's saved samples
+    (``req.calibration``, :func:`kiln.calibration.feeds.sample_rows`) where they hold every input at sizes the engine
+    takes, since random values can break what the model assumes of its inputs (a layout model's box width
+    ``x1 - x0`` indexes a table, and random corners give a negative width); else :func:`_random_feed`."""
+    names = [spec.name for spec in req.inputs]
+    if req.calibration is not None and req.calibration.is_file():
+        rows = sample_rows(req.calibration, names, batch)
+        if rows is not None and _engine_takes(req, rows):
+            return {spec.name: rows[spec.name].astype(spec.dtype, copy=False) for spec in req.inputs}
+        log.info("engine %s: the saved calibration rows do not fit its inputs; it runs on random ones", req.name)
+    return _random_feed(req, batch)
+
+
+def _engine_takes(req: BuildRequest, feed: dict[str, Any]) -> bool:
+    """Whether every array of ``feed`` has its input's rank, its fixed sizes and, on named axes, a size within
+    ``req.axis_sizes``."""
+    for spec in req.inputs:
+        shape = feed[spec.name].shape
+        if len(shape) != len(spec.shape):
+            return False
+        for axis, (dim, size) in enumerate(zip(spec.shape, shape)):
+            if axis and isinstance(dim, int) and dim >= 1 and dim != size:
+                return False
+            sizes = req.axis_sizes.get(dim) if axis and isinstance(dim, str) else None
+            if sizes and not min(sizes) <= size <= max(sizes):
+                return False
+    return True
+
+
+def _random_feed(req: BuildRequest, batch: int) -> dict[str, Any]:
     """Random inputs of ``batch`` rows at :func:`_example_sizes`, each index within the table it indexes
     (``req.index_ranges``: a float timestep the model casts to an index is drawn as a whole number in range, where
     standard normal values would index row -1 and PyTorch's embedding refuses it)."""
@@ -621,9 +651,13 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
 
 
 def _compile_failed(exc: BaseException) -> BuildError:
+    """The compiled flavour's failure: a kernel's index check on the example inputs (an index out of its table) is
+    no compiler failure, and its fix is the inputs (:data:`INDEX_HINT`)."""
+    reason = f"{type(exc).__name__}: {compiler_reason(exc)}"
+    if "index out of bounds" in reason:
+        return BuildError(f"the compiled model failed on the build's example inputs ({reason})", hint=INDEX_HINT)
     return BuildError(
-        f"torch.compile could not compile the exported model: {type(exc).__name__}: {compiler_reason(exc)}",
-        hint="the ONNX engines still build",
+        f"torch.compile could not compile the exported model: {reason}", hint="the ONNX engines still build"
     )
 
 
@@ -667,13 +701,48 @@ def _load_check(package: Path, args: tuple[Any, ...], device: str, timeout: floa
                 hint="raise build.torch.load_check_timeout_s",
             ) from None
     if done.returncode != 0:
-        why = (
-            f"killed by {signal.Signals(-done.returncode).name}"
-            if done.returncode < 0
-            else (done.stderr.strip().splitlines() or ["exit " + str(done.returncode)])[-1][:300]
+        raise _load_failed(done.stderr, done.returncode)
+
+
+LOADER_HINT = (
+    "check that the torch that built it is the one importable here (one torch, not a second one staged on "
+    "PYTHONPATH), and that libstdc++/CUDA libraries match"
+)
+INDEX_HINT = (
+    "give data (data.name) so the build runs the model on real samples, or clamp or sort such indices in forward "
+    "(a box's corners, a difference used as an index)"
+)
+# a C++ exception of torch's (c10::Error, or any uncaught one): its message is the line to say, not the backtrace's
+CPP_ERROR = re.compile(r"what\(\):|c10::Error|index out of bounds")
+
+
+def _load_failed(stderr: str, returncode: int) -> BuildError:
+    """Why the load check's child failed, as a :class:`BuildError`: a C++ exception by its message
+    (:func:`_cpp_error`), else the signal that killed it or its last line. A kernel's index check (an index out of
+    its table) is the model failing on the example inputs, whose fix is the inputs; anything else is the loader's
+    (a library the package was built against, as a ``dlopen`` error says it)."""
+    what = _cpp_error(stderr) if CPP_ERROR.search(stderr) else ""
+    if "out of bounds" in what or "out of range" in what:
+        return BuildError(
+            f"the AOTInductor package failed on the build's example inputs: an index out of range ({what})",
+            hint=INDEX_HINT,
         )
-        raise BuildError(
-            f"the AOTInductor package does not load in a fresh process ({why})",
-            hint="check that the torch that built it is the one importable here (one torch, not a "
-            "second one staged on PYTHONPATH), and that libstdc++/CUDA libraries match",
-        )
+    why = what or (
+        f"killed by {signal.Signals(-returncode).name}"
+        if returncode < 0
+        else (stderr.strip().splitlines() or ["exit " + str(returncode)])[-1][:300]
+    )
+    return BuildError(f"the AOTInductor package does not load in a fresh process ({why})", hint=LOADER_HINT)
+
+
+def _cpp_error(stderr: str) -> str:
+    """The message of the C++ exception in ``stderr``: the text after ``what():`` (an uncaught exception), else the
+    line above c10's ``Exception raised from`` (its message, before the backtrace), else the first line that names
+    an index out of bounds."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if "what():" in line:
+            return line.split("what():", 1)[1].strip()[:300]
+        if line.startswith("Exception raised from") and i:
+            return lines[i - 1][:300]
+    return next((line[:300] for line in lines if "index out of bounds" in line and not line.startswith("frame")), "")
