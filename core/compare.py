@@ -11,7 +11,7 @@ precision stage's acceptance of a variant hold ``cosine`` and the worst sample's
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -36,6 +36,8 @@ STATISTICS: dict[str, str] = {
     "top1_ties": "fraction of rows whose argmax flipped on a tie: the reference's margin between the two classes "
     "within the candidate's own, small error on that row (TIE_SIGMAS robust deviations of its error on the other "
     "classes, at most TIE_MAX_NOISE of the row's spread)",
+    "levels": "of an integer output that holds levels of a quantity (integer_levels: uint8 pixel values), its count "
+    "of distinct values; it is then held to its error as a float output is, not to its share of equal values",
 }
 # A flip is a tie when the reference's margin between its class and the candidate's is at most this many robust
 # standard deviations (1.4826 x the median absolute error) of the candidate's error on the row's other classes.
@@ -59,6 +61,13 @@ AGREEMENT_NAMES: dict[str, str] = {
 # regression's, all near 1e6) has a median as large, and none.
 MASK_MIN = 1e4
 MASK_RATIO = 1e3
+# An integer output holds levels of a quantity (an image's uint8 pixel values, a quantized signal, a count), not
+# categories (class ids, token ids, a mask), where its reference holds at least LEVELS_MIN distinct values that fill
+# at least LEVELS_FILL of the range between its smallest and largest: one level off is then a small error (FP16's
+# 4e-4 on a tanh image rounds a pixel to its neighbour), where a class id one off is a wrong answer. Ids rarely
+# qualify: a vocabulary's or ImageNet's are sparse over their range, and few tasks have 100 classes or more.
+LEVELS_MIN = 100
+LEVELS_FILL = 0.5
 
 
 @dataclass(frozen=True)
@@ -66,9 +75,11 @@ class OutputStats:
     """The statistics of one output. ``top1_agreement`` is None for outputs without a class axis (rank < 2), or with
     one of a single entry, unless it is a binary classifier's logit (:func:`compare_arrays`'s ``binary_at``). An
     integer or boolean output (a predicted class, a mask) has no cosine: its ``top1_agreement`` is the share of its
-    values that are equal, the decision a class output makes. ``sample_cosine`` is None where there are no samples
-    to tell apart (:func:`sample_cosines`). ``agreement`` says what ``top1_agreement`` counts (:data:`Agreement`):
-    the comparison of a multi-label head sets "decision"; it is no statistic, and :meth:`as_dict` leaves it out."""
+    values that are equal, the decision a class output makes; an integer output of levels (:func:`integer_levels`:
+    pixel values) is compared as a float output is instead, with no top-1, and ``levels`` counts its values.
+    ``sample_cosine`` is None where there are no samples to tell apart (:func:`sample_cosines`). ``agreement`` says
+    what ``top1_agreement`` counts (:data:`Agreement`): the comparison of a multi-label head sets "decision"; it is
+    no statistic, and :meth:`as_dict` leaves it out."""
 
     max_abs_err: float
     rel_err: float
@@ -78,6 +89,7 @@ class OutputStats:
     sample_cosine: float | None = None  # the worst sample's cosine (NaN: a sample with a non-finite value)
     worst_sample: int | None = None  # which row of the batch axis that is
     norm_rel_err: float | None = None  # the error over the output's norm, where rel_err is over something else
+    levels: int | None = None  # an integer output of levels: its count of distinct values (None: any other output)
     agreement: Agreement = "top1"
 
     def as_dict(self) -> dict[str, float | None]:
@@ -93,6 +105,7 @@ def compare_arrays(
     rel_tie: float = 0.0,
     where: np.ndarray | None = None,
     binary_at: float | None = None,
+    levels: bool | None = None,
 ) -> OutputStats:
     """``got`` against ``ref`` (same shape). ``rel_tie``: a top-1 mismatch where the reference's two logits lie
     within ``rel_tie`` of its largest magnitude is a tie, not a disagreement (random weights give near-ties that
@@ -102,20 +115,43 @@ def compare_arrays(
     whose decision is the value above ``binary_at`` (0 for a logit, 0.5 for a sigmoid's probability): its top-1
     agreement is that decision's (:func:`_top1`), as is that of one logit per row without a class axis (``[N]``).
     None: a class axis of one entry, or one value per row, has no top-1 (a regression's ``[N, 1]`` or ``[N]``
-    values)."""
-    exact = np.asarray(ref).dtype.kind in "iub"
+    values). ``levels``: whether an integer ``ref`` holds levels of a quantity, compared as a float output
+    (None: as :func:`integer_levels` reads its values); any other integer or boolean output is compared value for
+    value (:class:`OutputStats`)."""
+    count = _levels(ref, levels)
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if r.shape != g.shape:
         raise ValueError(f"output shapes differ: reference {list(r.shape)}, candidate {list(g.shape)}")
-    if exact:
+    if np.asarray(ref).dtype.kind in "iub" and count is None:
         equal = float(np.mean(r == g)) if r.size else 1.0
         return OutputStats(_max_abs_err(r, g), _rel_err(r, g), None, equal)
     shared = set_aside(r, g)
     with np.errstate(invalid="ignore"):  # an infinity minus itself: NaN, which is no tie and no agreement
-        agreement, ties = _top1(r, g, rel_tie, where, shared, binary_at)
+        agreement, ties = (None, None) if count else _top1(r, g, rel_tie, where, shared, binary_at)
     rf, gf = (r[~shared], g[~shared]) if shared.any() else (r, g)
     sample, row = _worst_sample(sample_cosines(r, g, shared))
-    return OutputStats(_max_abs_err(rf, gf), _rel_err(rf, gf), _cosine(rf, gf), agreement, ties, sample, row)
+    errors = _max_abs_err(rf, gf), _rel_err(rf, gf)
+    return OutputStats(*errors, _cosine(rf, gf), agreement, ties, sample, row, levels=count)
+
+
+def integer_levels(ref: np.ndarray) -> int | None:
+    """The count of distinct values of an integer output that holds levels of a quantity (:data:`LEVELS_MIN`
+    values or more, filling :data:`LEVELS_FILL` of their range or more: uint8 pixel values), else None (a float or
+    boolean output, or integers that are categories: class or token ids, a mask, few values)."""
+    a = np.asarray(ref)
+    if a.dtype.kind not in "iu" or a.size < LEVELS_MIN:
+        return None
+    values = np.unique(a)
+    span = float(values[-1]) - float(values[0]) + 1.0
+    return len(values) if len(values) >= LEVELS_MIN and len(values) >= LEVELS_FILL * span else None
+
+
+def _levels(ref: np.ndarray, levels: bool | None) -> int | None:
+    """The count of distinct values of an integer ``ref`` compared as levels (``levels``; None: where
+    :func:`integer_levels` finds it holds them), else None."""
+    if levels is None or np.asarray(ref).dtype.kind not in "iu":
+        return integer_levels(ref)
+    return len(np.unique(ref)) if levels else None
 
 
 def max_abs_err(ref: np.ndarray, got: np.ndarray, masks: Masks | None = None) -> float:
@@ -204,19 +240,22 @@ def compare_outputs(
     rel_tie: float = 0.0,
     where: Mapping[str, np.ndarray] | None = None,
     binary_at: Mapping[str, float] | None = None,
+    levels: Collection[str] | None = None,
 ) -> dict[str, OutputStats]:
     """Per output: by name for mappings (the reference's names), by position (``"0"``, ``"1"``...) for sequences.
     ``where``: per output (by those names), the rows/positions its top-1 agreement counts; ``binary_at``: per output,
-    the decision threshold of a binary classifier's one logit (:func:`compare_arrays`)."""
+    the decision threshold of a binary classifier's one logit; ``levels``: the integer outputs that hold levels of
+    a quantity (None: each as its values say) (:func:`compare_arrays`)."""
     where, binary_at = where or {}, binary_at or {}
+    held = (lambda name: None) if levels is None else (lambda name: name in levels)
     if isinstance(ref, Mapping):
         got_map = got if isinstance(got, Mapping) else dict(zip(ref, got))
         return {
-            name: compare_arrays(value, got_map[name], rel_tie, where.get(name), binary_at.get(name))
+            name: compare_arrays(value, got_map[name], rel_tie, where.get(name), binary_at.get(name), held(name))
             for name, value in ref.items()
         }
     return {
-        str(i): compare_arrays(r, g, rel_tie, where.get(str(i)), binary_at.get(str(i)))
+        str(i): compare_arrays(r, g, rel_tie, where.get(str(i)), binary_at.get(str(i)), held(str(i)))
         for i, (r, g) in enumerate(zip(ref, got))
     }
 

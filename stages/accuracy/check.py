@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,6 +22,7 @@ from kiln.core.compare import (
     agrees,
     class_axis,
     compare_outputs,
+    integer_levels,
     masks_of,
     set_aside,
     value_ordered,
@@ -46,6 +47,7 @@ from kiln.stages.accuracy.config import CheckConfig, GatesConfig
 from kiln.stages.accuracy.metrics import (
     BOX_FORMAT,
     Metric,
+    against_reference,
     decision_threshold,
     default_metric,
     metric_labels,
@@ -69,6 +71,7 @@ def compare_all(
     spread: dict[str, float] | None = None,
     decisions: bool = False,
     per_row: bool = True,
+    levels: Collection[str] | None = None,
 ) -> dict[str, OutputStats]:
     """Every output of the reference against the candidate's output of the same name; top-1 agreement only on
     the class-logit output (on a hidden state it would be noise), and with per-position labels only over the
@@ -83,8 +86,10 @@ def compare_all(
     is over every (sample, label) pair (:func:`as_decisions`), marked so (``agreement="decision"``: reports and
     failures name it decision agreement, not top-1). Class logits of one value per row (``[N]``, no class axis) are
     such a logit too where ``per_row`` (the :class:`Reference`'s :attr:`~Reference.binary_at` says; by default
-    they are, as where the user names them with no data to say otherwise).
-    ``mismatch_hint``: the fix when the outputs are not the reference's (names or shapes)."""
+    they are, as where the user names them with no data to say otherwise). ``levels``: the integer outputs held to
+    their error as float outputs are (:func:`level_outputs`, of the whole held-out set where this is a few rows of
+    it; None: of this reference). ``mismatch_hint``: the fix when the outputs are not the reference's (names or
+    shapes)."""
     missing = sorted(set(ref) - set(got))
     if missing:
         raise ModelError(
@@ -109,18 +114,42 @@ def compare_all(
     try:
         masks = {logits: where} if logits is not None and where is not None else None
         compared = as_decisions(ref, got, logits) if decide else (ref, got)
-        stats = compare_outputs(*compared, where=masks, binary_at=binary)
+        held = level_outputs(ref, logits) if levels is None else levels
+        stats = compare_outputs(*compared, where=masks, binary_at=binary, levels=held)
     except ValueError as exc:  # an output of another shape than the reference's at the same inputs
         raise ModelError(
             f"the engine's outputs do not match the reference's: {exc}",
             hint=mismatch_hint,
         ) from None
-    stats = relative_to_spread(stats, ref, got, spreads(ref) if spread is None else spread, logits)
+    stats = relative_to_spread(stats, ref, got, spreads(ref, held) if spread is None else spread, logits)
     if decide:
         stats[logits] = replace(stats[logits], agreement="decision")
     # an integer output keeps its agreement (its share of equal values: compare_arrays) in place of a cosine
     keep = {n for n, s in stats.items() if n == logits or s.cosine is None}
     return {n: s if n in keep else replace(s, top1_agreement=None, top1_ties=None) for n, s in stats.items()}
+
+
+def level_outputs(ref: dict[str, np.ndarray], logits: str | None) -> set[str]:
+    """The integer outputs that hold levels of a quantity (:func:`~kiln.core.compare.integer_levels`: uint8 pixel
+    values, a count), held to how far they are off as float outputs are: one level off is a small error there. Not
+    the class ``logits`` themselves, nor the class ids of them, an output whose values all lie within their class
+    axis (an argmax of them): those are answers, compared value for value."""
+    classes = _class_count(ref.get(logits or ""))
+    out = set()
+    for name, value in ref.items():
+        if name == logits or integer_levels(value) is None:
+            continue
+        if classes and value.min() >= 0 and value.max() < classes:
+            continue
+        out.add(name)
+    return out
+
+
+def _class_count(logits: np.ndarray | None) -> int:
+    """The width of the class axis of float class ``logits`` (0: none, or no class axis)."""
+    if logits is None or logits.dtype.kind != "f" or logits.ndim < 2:
+        return 0
+    return int(logits.shape[class_axis(logits.ndim)])
 
 
 def as_decisions(
@@ -168,16 +197,17 @@ def confident_positions(logits: np.ndarray) -> np.ndarray | None:
     return sure if sure.any() else None
 
 
-def spreads(ref: dict[str, np.ndarray]) -> dict[str, float]:
-    """Per float output of at least two rows: the RMS of the reference's deviation from its mean over the rows
-    (the samples), at least :data:`SPREAD_FLOOR` of its own RMS: how much the output varies with its input. What
-    every input shares (a detector's anchor grid under its pixel boxes, an offset) is no information the engine
-    must keep, and would hide an error measured against the output's whole norm. Over the values compared only:
-    a mask's -inf or -1e9 (:func:`~kiln.core.compare.set_aside`) is neither a spread nor a level."""
+def spreads(ref: dict[str, np.ndarray], levels: Collection[str] = ()) -> dict[str, float]:
+    """Per float output (and integer one of ``levels``: :func:`level_outputs`) of at least two rows: the RMS of the
+    reference's deviation from its mean over the rows (the samples), at least :data:`SPREAD_FLOOR` of its own RMS:
+    how much the output varies with its input. What every input shares (a detector's anchor grid under its pixel
+    boxes, an offset) is no information the engine must keep, and would hide an error measured against the output's
+    whole norm. Over the values compared only: a mask's -inf or -1e9 (:func:`~kiln.core.compare.set_aside`) is
+    neither a spread nor a level."""
     out: dict[str, float] = {}
     for name, value in ref.items():
         r = np.asarray(value)
-        if r.dtype.kind != "f" or r.ndim < 1 or len(r) < 2:
+        if (r.dtype.kind != "f" and name not in levels) or r.ndim < 1 or len(r) < 2:
             continue
         spread = _spread(r.astype(np.float64), set_aside(r, r))
         if spread is not None:
@@ -250,10 +280,16 @@ def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[st
                 pick(t.top1_ties, s.top1_ties, False),
                 *_worse_sample(t, s),
                 pick(t.norm_rel_err, s.norm_rel_err, False),
+                _most(t.levels, s.levels),
                 "decision" if "decision" in (t.agreement, s.agreement) else "top1",
             )
         out[name] = s
     return out
+
+
+def _most(a: int | None, b: int | None) -> int | None:
+    """The larger of two counts of levels (the whole held-out set's, not a spot-check batch's); None where neither."""
+    return None if a is None and b is None else max(a or 0, b or 0)
 
 
 def _worse_sample(a: OutputStats, b: OutputStats) -> tuple[float | None, int | None]:
@@ -669,6 +705,7 @@ class Reference:
                 self._drop_misfit_labels()
         self.multi_label = self._multi_label(data)
         self.binary_at = self._binary_decisions()
+        self.levels = level_outputs(self.outputs[-1], self.logits)  # integer outputs held to their error
         self._at: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         scored = None if self.score is None else self.outputs[self.score]
         self.accuracy = None if scored is None else self.accuracy_of(scored)
@@ -919,10 +956,14 @@ class Reference:
         return label_accuracy(outputs[self.logits], self.labels)
 
     def metric_of(self, outputs: dict[str, np.ndarray]) -> float | None:
-        """``validate.metric`` of outputs at the point :attr:`score` names (None: no metric configured)."""
-        if self.metric is None or self.targets is None or self.score is None:
+        """``validate.metric`` of outputs at the point :attr:`score` names (None: no metric configured), against
+        the labels, or the reference's own outputs there where the data has none (a copy: the metric may write into
+        what it is given)."""
+        if self.metric is None or self.score is None:
             return None
-        return self.metric(outputs, self.targets)
+        if getattr(self.metric, "versus_reference", False):  # a Metric's; a plain function has labels
+            return self.metric(outputs, {k: np.array(v) for k, v in self.outputs[self.score].items()})
+        return None if self.targets is None else self.metric(outputs, self.targets)
 
     def labelled(self, index: int, batch: int | None = None) -> np.ndarray | None:
         """Where feed ``index`` (``batch`` rows of it: :func:`sample_batch`) has per-position labels, the labelled
@@ -1010,10 +1051,8 @@ def held_out_reference(
     metric = resolve_metric(cfg.metric, logits, cfg.metric_higher_is_better, num_classes=data.num_classes)
     targets = metric_labels(data.val_y[:n] if data.val_y is not None else None)
     if metric is not None and targets is None:
-        raise ModelError(
-            f"validate.metric '{cfg.metric}' needs labels, and the data has none (val_y is None)",
-            hint="return held-out labels from the data function, or remove validate.metric",
-        )
+        metric = against_reference(metric)
+        log.info("validate.metric '%s' scores the outputs against the reference's: the data has no labels", cfg.metric)
     own = own_feed(data, feeds, n)
     scored = labels if labels is not None else targets
     follows = label_positions(run, feeds, own, scored, logits, axes, output_axes, min(batch_sizes))
@@ -1475,10 +1514,17 @@ def compare_on(
             continue
         got = batched(infer, feed, largest)
         whole, answered = value_ordered(ref.unpadded(feed, expected), ref.unpadded(feed, got), ref.by_value)
-        spread = spreads(whole)  # how the outputs vary over every held-out row: the spot checks' errors too
+        spread = spreads(whole, ref.levels)  # how the outputs vary over every held-out row: the spot checks' errors too
         per_row = ref.binary_at is not None
         kept = compare_all(
-            whole, answered, ref.logits, ref.labelled(i), spread=spread, decisions=ref.multi_label, per_row=per_row
+            whole,
+            answered,
+            ref.logits,
+            ref.labelled(i),
+            spread=spread,
+            decisions=ref.multi_label,
+            per_row=per_row,
+            levels=ref.levels,
         )
         out.stats = merge_worst(out.stats, kept)
         for bs in batch_sizes:
@@ -1496,6 +1542,7 @@ def compare_on(
                 spread=spread,
                 decisions=ref.multi_label,
                 per_row=per_row,
+                levels=ref.levels,
             )
             out.stats = merge_worst(out.stats, {n: _batch_wide(v) for n, v in spot.items()})
         if i == ref.score:
@@ -1531,10 +1578,12 @@ def accuracy_failures(
     rel_limits = rel_err_limits(per_output, gates, entry.precision)
     for name, s in per_output.items():  # per output: the worst one must pass (named when the model has several)
         if name in gated:
-            named = name and (len(per_output) > 1 or s["cosine"] is None)  # "of its values equal" needs an "it"
+            # "of its values equal" needs an "it", and an integer output held to its error says so
+            named = name and (len(per_output) > 1 or s["cosine"] is None or bool(s.get("levels")))
             others = [n for n in per_output if n in gated and n != name]
             accept = _accepting(name if named else "", entry.precision, others)
-            fails += _output_failures(f"output '{name}' " if named else "", s, gates, rel_limits.get(name), accept)
+            where = f"output '{name}' {_levels_said(s)}" if named else ""
+            fails += _output_failures(where, s, gates, rel_limits.get(name), accept)
     logits = [n for n, s in per_output.items() if s["cosine"] is not None and s.get("top1_agreement") is not None]
     top1 = entry.top1_agreement if not logits or logits[0] in gated else None  # the class logits' own
     if top1 is not None and not top1 >= gates["min_top1_agreement"] - COUNT_SLACK:
@@ -1552,6 +1601,15 @@ def accuracy_failures(
                 f"{gates['max_metric_drop']}"
             )
     return fails
+
+
+def _levels_said(stats: dict[str, Any]) -> str:
+    """What an integer output of levels (:func:`level_outputs`) is held to, as its failures say it after its name;
+    empty for any other output."""
+    levels = stats.get("levels")
+    if not levels:
+        return ""
+    return f"(integer values of {int(levels)} levels: held to their error as a float output is, not to equal values) "
 
 
 def _agreement_failure(entry: EngineValidation, limit: float) -> str:

@@ -182,10 +182,11 @@ class CheckConfig(Section):
         None,
         description="the task's metric on the held-out split, gated by gates.max_metric_drop: a built-in ("
         + ", ".join(BUILTIN_METRICS)
-        + ") or pkg.mod:fn taking (outputs by name, labels) as NumPy arrays and returning a float (its attributes "
-        "higher_is_better = False and relative = True make it an error metric, judged by its relative rise); the "
-        "precision fallback searches against it too; null: mse for float targets (a regression's) whose prediction "
-        "is one output, else none",
+        + ") or pkg.mod:fn taking (outputs by name, labels) as NumPy arrays and returning a float (where the data "
+        "has no labels, its labels are the reference's outputs by name, and the reference's own score is the baseline; "
+        "its attributes higher_is_better = False and relative = True make it an error metric, judged by its relative "
+        "rise); the precision fallback searches against it too; null: mse for float targets (a regression's) whose "
+        "prediction is one output, else none",
     )
     metric_higher_is_better: bool | None = Field(
         None, description="the metric's direction; null: the function's higher_is_better attribute, else higher"

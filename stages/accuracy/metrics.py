@@ -4,7 +4,10 @@ baseline and every engine, gated by its drop (``validate.gates.max_metric_drop``
 Tensor cosine and top-1 agreement are proxies; users state accuracy budgets as a drop in their own metric (as
 NNCF's accuracy-aware quantization and Olive's metric goals do). A metric is ``fn(outputs, labels) -> float``:
 ``outputs`` the model's outputs by name (graph order), ``labels`` the held-out ``val_y`` as a numpy array. Higher
-is better unless the function says otherwise (an attribute ``higher_is_better = False``) or the config does.
+is better unless the function says otherwise (an attribute ``higher_is_better = False``) or the config does. Where
+the data has no labels, a user's metric scores the outputs against the reference's (:func:`against_reference`):
+a generator's images have no labels, and its quality against PyTorch's (PSNR, the share of pixels close to them)
+is the number its user judges an engine by.
 
 The drop is in the metric's own units (a share in [0, 1]: 0.01 is one point), except for an error metric, whose
 units are the targets' (MSE's are their square: targets in the thousands give an MSE in the millions, where any
@@ -38,7 +41,9 @@ from kiln.core.labels import IGNORE_LABEL, are_indices, per_position
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.models.registry import resolve_callable
 
-MetricFn = Callable[[dict[str, np.ndarray], np.ndarray], float]
+# what a metric scores the outputs against: the held-out labels, or the reference's outputs by name (no labels)
+Labels = np.ndarray | dict[str, np.ndarray]
+MetricFn = Callable[[dict[str, np.ndarray], Labels], float]
 IOU = 0.5  # detection_recall: a label box is found by a prediction of its class overlapping it this much
 BOX_NAMES = re.compile(r"box|bbox", re.IGNORECASE)  # boxes, bbox, pred_boxes, bbox_pred
 SCORE_NAMES = re.compile(r"score|logit|cls|class|conf|prob", re.IGNORECASE)  # scores, pred_logits, cls_score
@@ -53,7 +58,8 @@ BOX_FORMAT = (
 class Metric:
     """A resolved metric: its name (as configured), function and direction; ``relative``: its drop is relative to
     the reference's value (an error metric's, in the targets' units); ``default``: no one configured it, it is the
-    one float targets get (:func:`default_metric`)."""
+    one float targets get (:func:`default_metric`); ``versus_reference``: its labels are the reference's outputs, the
+    data having none (:func:`against_reference`)."""
 
     name: str
     fn: MetricFn
@@ -61,8 +67,9 @@ class Metric:
     relative: bool = False
     default: bool = False
     scale: float | None = None  # what a relative drop is over: the targets' spread in the metric's units (scaled_by)
+    versus_reference: bool = False
 
-    def __call__(self, outputs: dict[str, np.ndarray], labels: np.ndarray) -> float:
+    def __call__(self, outputs: dict[str, np.ndarray], labels: Labels) -> float:
         """The metric of ``outputs``; the user's function failing is their error, named with what Kiln was doing."""
         try:
             returned = self.fn(outputs, labels)
@@ -71,22 +78,25 @@ class Metric:
         except Exception as exc:  # the user's function (or a built-in on outputs it does not fit): one line
             if self.name in BUILTINS:  # Kiln's own: what it takes, not where in Kiln it raised
                 raise ModelError(
-                    f"validate.metric '{self.name}' does not fit outputs {_shapes(outputs)} and labels "
-                    f"{labels.dtype}{list(labels.shape)}: {exc}",
+                    f"validate.metric '{self.name}' does not fit outputs {_shapes(outputs)} and "
+                    f"{_labels_said(labels)}: {exc}",
                     hint=_misfit_hint(self.name, exc),
                 ) from None
             frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
             at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else _defined_at(self.fn)  # the user's line
             raise ModelError(
-                f"validate.metric '{self.name}'{at} failed on outputs {_shapes(outputs)} and labels "
-                f"{labels.dtype}{list(labels.shape)}: {type(exc).__name__}: {exc}",
-                hint="the metric takes (outputs: dict of name -> array, labels: array) and returns a float",
+                f"validate.metric '{self.name}'{at} failed on outputs {_shapes(outputs)} and "
+                f"{_labels_said(labels)}: {type(exc).__name__}: {exc}",
+                hint=f"the metric takes (outputs: dict of name -> array, labels: {_labels_kind(labels)}) and returns "
+                "a float",
             ) from None
         value = _as_float(returned, self.name)
         if not np.isfinite(value):
+            said = " against the reference's outputs" if self.versus_reference else ""
             raise ModelError(
-                f"validate.metric '{self.name}' returned {value} on outputs {_shapes(outputs)}",
-                hint="return a finite float (e.g. guard divisions by zero)",
+                f"validate.metric '{self.name}' returned {value} on outputs {_shapes(outputs)}{said}",
+                hint="return a finite float (e.g. guard divisions by zero)"
+                + ("; the reference scores itself too, a perfect match: cap it (a PSNR at 100 dB)" if said else ""),
             )
         return value
 
@@ -99,6 +109,31 @@ class Metric:
         worse = baseline - value if self.higher_is_better else value - baseline
         over = self.scale or abs(baseline) if self.relative else 0.0
         return worse / over if over else worse
+
+
+def against_reference(metric: Metric) -> Metric:
+    """``metric`` where the data has no labels: a user's function scores each candidate's outputs against the
+    reference's, which it gets as its labels (a dict by name, as ``outputs``); the reference scores itself, a
+    perfect match, as the baseline the drop is measured from. A built-in reads labels of a task (classes, targets,
+    boxes) that the reference's outputs are not: a ModelError naming both fixes."""
+    if metric.name in BUILTINS:
+        raise ModelError(
+            f"validate.metric '{metric.name}' needs labels, and the data has none (val_y is None)",
+            hint="return held-out labels from the data function, or give a metric of your own (pkg.mod:fn): "
+            "without labels it scores each engine's outputs against the reference's (its labels)",
+        )
+    return replace(metric, versus_reference=True)
+
+
+def _labels_said(labels: Labels) -> str:
+    """The labels as an error names them: their dtype and shape, or the reference's outputs and their shapes."""
+    if isinstance(labels, dict):
+        return f"the reference's outputs {_shapes(labels)} (its labels: the data has none)"
+    return f"labels {labels.dtype}{list(labels.shape)}"
+
+
+def _labels_kind(labels: Labels) -> str:
+    return "dict of name -> the reference's array" if isinstance(labels, dict) else "array"
 
 
 def scaled_by(metric: Metric | None, targets: np.ndarray | None) -> Metric | None:
