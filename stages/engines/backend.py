@@ -27,7 +27,7 @@ from kiln.core.errors import InputError, InputFileError
 from kiln.core.records import EngineMetadata, IntRange, PrecisionVariant, TensorSpec
 from kiln.core.sections import Section
 from kiln.core.signature import BATCH_AXIS
-from kiln.core.text import first_line
+from kiln.core.text import ort_reason
 from kiln.core.timing import time_calls, warm_up
 
 SIDECAR = "kiln-engine.json"
@@ -274,7 +274,7 @@ class Runner:
         check does not range (:func:`past_index`); None for any other error."""
         outside = self.meta.refusal(feed)
         if outside is not None:
-            return InputError(f"{outside}; the engine failed on it: {first_line(exc, 200)}", hint=OUTSIDE_HINT)
+            return InputError(f"{outside}; the engine failed on it: {ort_reason(exc, 200)}", hint=OUTSIDE_HINT)
         past = past_index(exc)
         return None if past is None else InputError(f"engine {self.name}: {past}", hint=INDEX_HINT)
 

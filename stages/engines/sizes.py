@@ -19,7 +19,7 @@ from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, metadata_value,
 from kiln.core.records import EngineMetadata, TensorSpec, Variants, steps_text, takes_size
 from kiln.core.shapes import axis_names, refuse_unknown_axes, shapes_flag
 from kiln.core.steps import LISTED_PERIOD, aligned_period, listed_steps, sparse_steps
-from kiln.core.text import first_line
+from kiln.core.text import ort_reason
 from kiln.stages.engines.backend import SIDECAR
 from kiln.stages.export.declaration import GRAPH_STEPS_KEY, MAX_PERIOD, SIZE_PROBES, parse_graph_steps
 
@@ -197,7 +197,7 @@ class SizeProbe:
         try:
             self.session.run(None, random_inputs(self.specs, 1, dims, int_ranges=self.ints))
         except Exception as exc:  # the graph cannot take these sizes (or these random values)
-            return first_line(exc)
+            return ort_reason(exc)
         return None
 
     def base(self, ranges: dict[str, tuple[int, int]]) -> dict[str, int] | None:

@@ -28,7 +28,7 @@ from kiln.core.compare import compare_outputs, worst
 from kiln.core.errors import ConfigError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import ort_session
-from kiln.core.text import first_line
+from kiln.core.text import ort_reason
 from kiln.core.timing import time_calls
 from kiln.stages.engines.onnxruntime.config import OrtAutotuneConfig
 from kiln.stages.engines.onnxruntime.runner import (
@@ -192,7 +192,7 @@ class Bench:
             quality = agreement(self.refs[batch], got)
             times = self.timer(call, self.cfg.iterations)
         except Exception as exc:  # a candidate ORT rejects here (e.g. a knob this build lacks) is recorded, not fatal
-            trial["error"] = first_line(exc)
+            trial["error"] = ort_reason(exc)
             log.info("autotune batch %d %s: failed (%s)", batch, knobs, trial["error"])
             return trial
         trial |= {

@@ -31,7 +31,7 @@ from kiln.core.onnx_io import (
 )
 from kiln.core.records import TensorSpec
 from kiln.core.shapes import axis_names, shapes_flag
-from kiln.core.text import first_line
+from kiln.core.text import ort_reason
 from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_in_model
 from kiln.stages.engines.onnxruntime.autotune import autotune, relevant_knobs
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
@@ -497,7 +497,7 @@ def _parity(
     try:
         a, b = (ort_session(m, error=BuildError) for m in (ref, new))
     except BuildError as exc:  # e.g. a fused op with no CPU kernel: cannot check, so do not fuse
-        return f"cannot run on CPU to check ({first_line(exc, 120)})"
+        return f"cannot run on CPU to check ({ort_reason(exc, 120)})"
     specs, want = io_specs(ref)[0], None
     for size in [dynamic] if dynamic else UNSIZED_TRIES:
         if not dynamic and size != FUSION_CHECK_BATCH and _feed_bytes(specs, batch, size) > UNSIZED_BYTES:
@@ -509,11 +509,11 @@ def _parity(
         except Exception as exc:  # ORT's own error type; a graph that cannot run these inputs cannot be checked
             failed = exc
     if want is None:
-        return f"{_CANNOT_RUN} to check ({first_line(failed, 160)})"
+        return f"{_CANNOT_RUN} to check ({ort_reason(failed, 160)})"
     try:
         got = b.run(None, feed)
     except Exception as exc:  # the unfused graph runs them: the fusion broke it (e.g. ORT's fusions on a T5)
-        return f"the fused graph does not run inputs the unfused one runs ({first_line(exc, 160)})"
+        return f"the fused graph does not run inputs the unfused one runs ({ort_reason(exc, 160)})"
     for name, x, y in zip([o.name for o in ref.graph.output], want, got):
         ok, err, why = within_tolerance(x, y, atol=1e-3, rtol=1e-3)
         if not ok:

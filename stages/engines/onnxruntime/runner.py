@@ -22,7 +22,7 @@ import onnx
 from kiln.core.errors import BuildError, KilnError
 from kiln.core.onnx_io import ort_session
 from kiln.core.onnx_io import session_options as make_options
-from kiln.core.text import first_line, short_reason
+from kiln.core.text import short_reason
 from kiln.core.timing import time_calls
 from kiln.stages.engines.backend import Runner
 from kiln.stages.engines.onnxruntime.record import OrtRecord
@@ -166,7 +166,7 @@ def cuda_slot(
                 "engine %s: no CUDA graph for shapes %s (%s); using IO binding without it",
                 engine,
                 shapes,
-                first_line(exc, 200),
+                short_reason(exc, 200),
             )
             static = False
     if not static:

@@ -59,3 +59,21 @@ def test_a_graph_with_no_axes_to_size_says_nothing_of_them(tmp_path: Path, caplo
     with caplog.at_level(logging.WARNING, logger="kiln.build"):
         assert checked_ranges([src], {}) == ({}, {})
     assert _warnings(caplog) == []
+
+
+def test_a_size_the_graph_refuses_is_said_by_onnx_runtimes_reason_not_its_source_place(tmp_path: Path) -> None:
+    """ORT's message starts with the C++ file, line and signature where it failed, which the length limit let take
+    the place of its reason."""
+    from kiln.stages.engines.sizes import SizeProbe
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, [4])
+    shape = helper.make_tensor("shape", TensorProto.INT64, [1], [4])
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["out"])], "g", [x], [out], [shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    probe = SizeProbe(tmp_path / "m.onnx")
+    assert probe.fails({"n": 4}) is None
+    why = probe.fails({"n": 3})
+    assert why and "cannot be reshaped" in why and not re.search(r"\.(h|cc):\d+", why), why
