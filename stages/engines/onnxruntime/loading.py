@@ -21,7 +21,7 @@ import onnx
 
 from kiln.core.errors import BuildError
 from kiln.core.onnx_io import ort_session
-from kiln.stages.engines.onnxruntime.runner import ort_reason, providers_of, session_options
+from kiln.stages.engines.onnxruntime.runner import providers_of, session_options, session_refusal
 
 log = logging.getLogger("kiln.build")
 LOAD_LEVELS = ("all", "extended", "basic", "none")  # most optimization first
@@ -45,7 +45,7 @@ def open_file(path: Path, settings: dict[str, Any], level: str) -> tuple[Any, st
         options = session_options({**settings, "load_optimization": level})
         return ort_session(path, providers=providers_of(settings), options=options, error=BuildError), None
     except BuildError as exc:
-        return None, ort_reason(exc)
+        return None, session_refusal(exc)
 
 
 def settle_load(

@@ -42,7 +42,7 @@ def session_options(settings: dict[str, Any]) -> Any:
     )
 
 
-def ort_reason(exc: BaseException) -> str:
+def session_refusal(exc: BaseException) -> str:
     """ONNX Runtime's reason for refusing a session, on one line: the innermost of its nested errors (the outer
     ones name the source line that passed it on). ``ort_session``'s error keeps only the first line of ORT's
     message, so ORT's own exception (its context) is read where there is one."""
@@ -62,7 +62,7 @@ def load_error(exc: KilnError, engine: str, settings: dict[str, Any], built_with
     import onnxruntime as ort
 
     return BuildError(
-        f"ONNX Runtime cannot load engine {engine}: {ort_reason(exc)}",
+        f"ONNX Runtime cannot load engine {engine}: {session_refusal(exc)}",
         hint=f"the engine is ONNX Runtime's own optimized graph (offline_optimization '{offline}', opened at"
         f" load_optimization '{settings.get('load_optimization', 'none')}'; built with onnxruntime"
         f" {built_with or 'unknown'}, this is {ort.__version__}): rebuild it here (`kiln build`, or `kiln run"
