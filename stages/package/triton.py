@@ -101,8 +101,9 @@ def unbatchable_reason(meta: EngineMetadata) -> str | None:
     if meta.unbatched_outputs or len(first_axes(meta)) > 1 or len(alone) < len(blocking):
         return _unbatchable(meta)
     return (
-        f"{', '.join(alone)}, the batch axis alone, which Triton cannot declare; exported as [batch, 1] instead "
-        "(clients sending [batch, 1]), it would be batched"
+        f"{', '.join(alone)}, the batch axis alone, which Triton batches only as dims [1] reshaped to [], its "
+        "clients then sending [batch, 1] where the engine's signature takes [batch]; exported as [batch, 1] "
+        "instead, it would be batched"
     )
 
 

@@ -9,7 +9,14 @@ from google.protobuf import text_format
 
 from kiln.core.errors import ModelError
 from kiln.core.records import EngineMetadata, TensorSpec
-from kiln.stages.package.triton import check_config, model_config, render_pbtxt, served_max_batch, triton_config
+from kiln.stages.package.triton import (
+    check_config,
+    model_config,
+    render_pbtxt,
+    served_max_batch,
+    triton_config,
+    unbatchable_reason,
+)
 
 # Triton's own ModelConfig message: from the serving extra (`pip install 'kiln[serve]'`, part of `.[dev]`)
 model_config_pb2 = pytest.importorskip(
@@ -256,3 +263,13 @@ def test_batches_default_to_a_few_requests_per_gpu_stub_and_larger_on_the_cpu() 
 
     assert default_max_batch([0]) == default_max_batch([0, 1]) == GPU_STUB_MAX_BATCH < CPU_MAX_BATCH
     assert default_max_batch(None) == CPU_MAX_BATCH
+
+
+def test_a_per_sample_scalar_input_is_said_to_need_a_reshape() -> None:
+    """A ``[batch]`` input (a diffusion model's timestep) keeps the engine unbatched; the reason names what would
+    batch it, and what Triton's reshape would ask of clients."""
+    fields = {**CPU_FIELDS, "inputs": [*CPU_FIELDS["inputs"], {"name": "t", "shape": ["batch"], "dtype": "int64"}]}
+    why = unbatchable_reason(record(fields))
+    assert why is not None and "input 't' is [batch]" in why
+    assert "dims [1] reshaped to []" in why and "exported as [batch, 1]" in why
+    assert unbatchable_reason(CPU) is None
