@@ -7,6 +7,7 @@ import logging
 import re
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import chain, islice
@@ -35,7 +36,16 @@ from kiln.stages.engines.reuse import PreviousBuild, inputs_key
 from kiln.stages.engines.sizes import checked_ranges, probe_graphs, record_checked
 from kiln.stages.export.batch_axes import batch_ties, first_axis_names, write_ties
 from kiln.stages.export.declaration import read_axis_steps
-from kiln.stages.precision.audit import audit_graph, doubt_fix, engine_audit, kernel_fix, label_problem
+from kiln.stages.precision.audit import (
+    INTEGER,
+    LOW,
+    MIN_SHARE,
+    audit_graph,
+    doubt_fix,
+    engine_audit,
+    kernel_fix,
+    label_problem,
+)
 from kiln.stages.precision.config import PRECISIONS
 
 log = logging.getLogger("kiln.build")
@@ -112,7 +122,7 @@ def build_engine(
             file=onnx_path.name, sha256=hash_file(onnx_path), kept_fp32=sorted(keep_fp32) if keep_fp32 else None
         )
         audit = early.reuse(out, built) or _audit(onnx_path, out, built, axis_sizes)
-        refuse_mislabelled(audit, precision, name)
+        refuse_mislabelled(audit, precision, name, onnx_path)
         taken = built.inputs or inputs
         named = {d for spec in taken for d in spec.shape if isinstance(d, str)}
         meta = EngineMetadata(
@@ -199,22 +209,70 @@ class UnsizedLabel(MislabelledEngine):
     is its own, not the fixes of a runtime that computes another precision."""
 
 
-def refuse_mislabelled(audit: dict[str, Any], precision: str, name: str) -> None:
+class LowGraph(MislabelledEngine):
+    """An engine labelled fp32 whose graph computes in ``low`` already (a quantization-aware model's Q/DQ, float16
+    weights; ``found``: what in the graph says so). Every device has fp32 kernels: its fix is to build it as
+    ``low``, never another device's kernels."""
+
+    def __init__(self, message: str, low: str, found: str, audit: dict[str, Any]) -> None:
+        said = f" ({found})" if found else ""
+        super().__init__(message, hint=f"its graph is already {low}{said}: build it as {low}", audit=audit)
+        self.low, self.found = low, found
+
+
+def refuse_mislabelled(audit: dict[str, Any], precision: str, name: str, source: Path | None = None) -> None:
     """Raise :class:`MislabelledEngine` where the audit contradicts the engine's ``precision`` label (TensorRT's
     declared precision flags are not audited: it picks layers at build). Where only compute nodes the audit could
-    not size put the label in doubt, the fix says what sizes them, not what contradicts the label."""
+    not size put the label in doubt, the fix says what sizes them, not what contradicts the label; where an fp32
+    label meets a graph (``source``) already in a lower precision, :class:`LowGraph` names what makes it so."""
     problem = label_problem(audit, precision)
     if not problem or audit["method"].startswith("declared by TensorRT"):
         return
     doubt = doubt_fix(audit, precision)  # only nodes it could not size put the label in doubt
     if doubt:
         raise UnsizedLabel(f"engine {name} is {problem}", hint=doubt, audit=audit)
+    low = graph_low(audit, precision)
+    if low is not None:
+        raise LowGraph(f"engine {name} is {problem}", low, low_found(source, low), audit)
     raise MislabelledEngine(
         f"engine {name} is {problem}",
-        hint="build it with --precision matching the graph (or none: the audit labels it), or give the "
-        "backend a graph in that precision (kiln precision makes them)",
+        hint=f"{MATCH_FIX}, or give the backend a graph in that precision (kiln precision makes them)",
         audit=audit,
     )
+
+
+MATCH_FIX = "build it with --precision matching the graph (or none: the audit labels it)"
+
+
+def graph_low(audit: dict[str, Any], precision: str) -> str | None:
+    """The lower precision an engine labelled ``precision`` fp32 computes in by its audit (one holding
+    :data:`~kiln.stages.precision.audit.MIN_SHARE` of the FLOPs by its floor, as the label's check judges); None
+    for any other label or where fp32 holds."""
+    if precision != "fp32":
+        return None
+    floor = audit.get("share_floor", audit.get("share") or {})
+    return next((p for p in LOW if floor.get(p, 0.0) >= MIN_SHARE), None)
+
+
+def low_found(source: Path | None, low: str) -> str:
+    """What in the graph at ``source`` makes it ``low``, as a user can look it up: its Q/DQ and integer nodes (INT8,
+    FP8), or its float16 weights and casts to float16 (FP16); '' where there is no file or none of them."""
+    if source is None or not source.is_file():
+        return ""
+    graph = load_onnx(source, load_external_data=False).graph
+    ops: Counter[str] = Counter(n.op_type for n in graph.node)
+    if low == "fp16":
+        half = sum(t.data_type == onnx.TensorProto.FLOAT16 for t in graph.initializer)
+        casts = sum(n.op_type == "Cast" and _cast_to(n) == onnx.TensorProto.FLOAT16 for n in graph.node)
+        said = [f"{half} float16 weights"] if half else []
+        return ", ".join(said + ([f"{casts} Casts to float16"] if casts else []))
+    qdq = " and ".join(f"{ops[q]} {q}" for q in ("QuantizeLinear", "DequantizeLinear") if ops[q])
+    said = [f"{qdq} nodes"] if qdq else []
+    return ", ".join(said + [f"{n} {op}" for op, n in sorted(ops.items()) if op in INTEGER])
+
+
+def _cast_to(node: onnx.NodeProto) -> int | None:
+    return next((a.i for a in node.attribute if a.name == "to"), None)
 
 
 class EarlyAudit:
@@ -230,7 +288,7 @@ class EarlyAudit:
     def __call__(self, path: Path) -> None:
         audit = engine_audit(self.source, path, self.sizes)
         self.done = (path.name, _stamp(path), audit)
-        refuse_mislabelled(audit, self.precision, self.name)
+        refuse_mislabelled(audit, self.precision, self.name, self.source)
 
     def reuse(self, out: Path, built: Built) -> dict[str, Any] | None:
         """The early audit where the engine's graph is the file it read, unchanged; else None."""
@@ -292,6 +350,7 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
     previous = PreviousBuild(ctx.workdir / ctx.name, ctx.key_parts, ctx.log, ctx.forced)  # unchanged engines: kept
     engines: list[EngineEntry] = []
     skipped: list[str] = []
+    warned: dict[str, str] = {}  # a skip's reason said as a warning -> the engine it was said for
     for precision in variants:
         for backend in (BACKENDS[name] for name in cfg.backends):
             settings = backend.settings(cfg)
@@ -340,11 +399,9 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                     if not backend.optional(settings) and not isinstance(exc, MislabelledEngine):
                         raise
                     fix, said = refusal_fix(exc, variants[precision], src, precision, device)
-                    if said:  # the user loses an engine they asked for: what to do is said with it
-                        ctx.log.warning("skipping %s: %s%s", name, exc.message, f" (fix: {fix})" if fix else "")
-                    else:
-                        ctx.log.info("skipping %s: %s", name, exc.message)
-                    skipped.append(f"{name}: {exc.message}" + (f" (fix: {fix})" if fix else ""))
+                    reason = exc.message + (f" (fix: {fix})" if fix else "")
+                    say_skip(ctx.log, name, reason if said else exc.message, said, warned)
+                    skipped.append(f"{name}: {reason}")
                     continue
                 fields = {"name", "backend", "device", "precision", "size_bytes"}
                 entry = {**meta.model_dump(include=fields), "build_seconds": meta.build_seconds}
@@ -352,10 +409,34 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
     if not engines:  # failed here, where the reasons are known, not later as "nothing could be validated"
         raise BuildError(
             f"no engine was built: {'; '.join(skipped) or 'no backend plans one for these precisions'}",
-            hint="each reason says what to change; or add a precision and backend that build here (fp32 with "
-            "build.backends: [onnxruntime] builds on any machine)",
+            hint=nothing_built_fix(list(variants), cfg.backends),
         )
     return BuildSummary(engines=engines, skipped=skipped)
+
+
+def say_skip(log: logging.Logger, name: str, reason: str, warn: bool, warned: dict[str, str]) -> None:
+    """Log the skip of engine ``name`` for ``reason``: a warning where the user loses an engine they asked for
+    (``warn``), else at info. A warning's reason said already for another engine of the run (TensorRT's parser
+    failing at one node for every precision) names that engine instead of repeating it (``warned``: reason ->
+    engine, filled here)."""
+    if not warn:
+        log.info("skipping %s: %s", name, reason)
+    elif reason in warned:
+        log.warning("skipping %s: the same failure as %s", name, warned[reason])
+    else:
+        warned[reason] = name
+        log.warning("skipping %s: %s", name, reason)
+
+
+def nothing_built_fix(precisions: list[str], backends: list[str]) -> str:
+    """The fix for a build that made no engine: each skip's own, and the engine that builds on any machine (fp32 on
+    ONNX Runtime) where the run did not try it (where it did, its skip says why it did not build)."""
+    if "fp32" in precisions and "onnxruntime" in backends:
+        return "each reason says what to change"
+    return (
+        "each reason says what to change; or add a precision and backend that build here (fp32 with "
+        "build.backends: [onnxruntime] builds on any machine)"
+    )
 
 
 def refusal_fix(exc: BuildError, variant: Any, src: str, precision: str, device: str) -> tuple[str, bool]:
@@ -364,16 +445,28 @@ def refusal_fix(exc: BuildError, variant: Any, src: str, precision: str, device:
     of ``precision`` on ``device`` at all or the graph left too little in ``precision``; where the runtime left
     quantized ops in float for want of their integer kernels (:func:`kernel_fix`), the precision the user asked for
     is lost to the runtime: a warning naming those ops. A label in doubt (:class:`UnsizedLabel`) and a failed build
-    keep their own fixes."""
+    keep their own fixes. An fp32 engine whose graph is already in a lower precision (:class:`LowGraph`) is lost
+    to the model, not to a runtime: a warning saying so."""
     if not isinstance(exc, MislabelledEngine):
         return exc.hint or "", True
     if isinstance(exc, UnsizedLabel):
         return exc.hint or "", False
+    if isinstance(exc, LowGraph):
+        return low_graph_fix(exc), True
     kernel = runtime_fix(exc.audit, precision, device)
     if kernel is not None:
         return kernel, True
     kept = _kept_in_float(variant, src)
     return (kept_fix(precision, kept) if kept else run_fix(precision, device)), False
+
+
+def low_graph_fix(exc: LowGraph) -> str:
+    """The fix in a run for an fp32 engine whose graph is already ``exc.low``: the model made it so (a
+    quantization-aware model's fake-quant exports as Q/DQ; a float16 model keeps float16 weights), so the run's
+    engines of it are ``exc.low`` ones."""
+    made = "the model's float16 weights" if exc.low == "fp16" else "the model's fake-quant"
+    found = f"{exc.found}, from {made}" if exc.found else f"from {made}"
+    return f"the model's graph is already {exc.low} ({found}): build it as {exc.low} (precision.variants: [{exc.low}])"
 
 
 def runtime_fix(audit: dict[str, Any], precision: str, device: str) -> str | None:
@@ -562,20 +655,62 @@ def build_direct(
     except UnsizedLabel:
         raise  # its fix sizes the nodes that put the label in doubt
     except MislabelledEngine as exc:
-        # the graph is in that precision (a variant folder labels it; a label the user gave that the graph's own
-        # audit agrees with): the runtime, not the label, computes it in another one
-        if not (made_as and not given) and not (given and audit_graph(src).label() == given):
-            raise
-        raise MislabelledEngine(
-            exc.message,
-            hint=runtime_fix(exc.audit, precision, device) or run_fix(precision, device)
-            if has_kernels(precision, device)
-            else f"the {backend} backend runs {precision} in another precision on {device.upper()}: build this "
-            f"variant for a device with {precision} kernels (another --device or --backend), or build the fp32 "
-            "variant here",
-            audit=exc.audit,
-        ) from None
+        # the graph is in that precision (a variant folder or the audit labels it; a label the user gave that the
+        # graph's own audit agrees with): the runtime, not the label, computes it in another one
+        in_precision = not given or audit_graph(src).label() == given
+        exc.hint = direct_fix(exc, backend, device, precision, in_precision, bool(made_as and not given))
+        raise
     return record_checked(out, meta, ranges)
+
+
+def direct_fix(
+    exc: MislabelledEngine, backend: str, device: str, precision: str, in_precision: bool, variant: bool
+) -> str:
+    """The fix for ``kiln build`` of an engine its audit refused (``exc``): a graph already in a lower precision than
+    fp32 is built as that; a precision the device has no kernels for (:func:`lacks_kernels`) that it computed in
+    another is built in that one here, or on a device with the kernels, whoever labelled it; a graph in that
+    precision (``in_precision``; ``variant``: a variant folder labels it) that the runtime computes otherwise gets the
+    runtime's fix; else the label or the graph is to change (``exc``'s own fix)."""
+    if isinstance(exc, LowGraph):
+        found = f" ({exc.found})" if exc.found else ""
+        return (
+            f"its graph is already {exc.low}{found}: build it with --precision {exc.low} (or none: the audit labels it)"
+        )
+    ran = _computes_in(exc.audit)
+    if lacks_kernels(precision, device) and ran == "fp32":
+        return cpu_fix(backend, precision, device, variant)
+    if not in_precision:  # no graph in that precision helps where the device lacks its kernels
+        return MATCH_FIX if lacks_kernels(precision, device) else exc.hint or ""
+    if has_kernels(precision, device):
+        return runtime_fix(exc.audit, precision, device) or run_fix(precision, device)
+    return (
+        f"the {backend} backend runs {precision} in another precision on {device.upper()}: build this variant for a "
+        f"device with {precision} kernels (another --device or --backend), or build the fp32 variant here"
+    )
+
+
+def lacks_kernels(precision: str, device: str) -> bool:
+    """Whether the engines Kiln builds on ``device`` compute ``precision`` in another one for want of its kernels:
+    FP16 and FP8 on the CPU (ONNX Runtime's CPU provider runs an FP16 graph in FP32 through casts)."""
+    return device == "cpu" and precision in ("fp16", "fp8")
+
+
+def cpu_fix(backend: str, precision: str, device: str, variant: bool) -> str:
+    """The fix for an engine of ``precision`` that ``backend`` computes in FP32 on ``device`` (:func:`lacks_kernels`):
+    that label here (the fp32 variant, for a variant folder), or a device of the backend with those kernels."""
+    others = [d for d in backend_named(backend).devices if d != device]
+    there = f"--device {' or --device '.join(others)}" if others else "another --backend"
+    here = "build the fp32 variant here" if variant else "build it with --precision fp32 here"
+    return (
+        f"the {backend} backend runs {precision} in another precision on {device.upper()} (fp32 there): {here}, or "
+        f"build it for a device with {precision} kernels ({there})"
+    )
+
+
+def _computes_in(audit: dict[str, Any]) -> str:
+    """The precision an engine computes most of its FLOPs in, by its audit's share (fp32 where it counted none)."""
+    share = audit.get("share") or {}
+    return max(share, key=lambda p: share[p]) if share else "fp32"
 
 
 @contextmanager

@@ -46,6 +46,27 @@ SCATTER_HINT = (
     "this TensorRT supports no scatter with a reduction (index_add_, scatter_add_, scatter_reduce): aggregate with "
     "a matmul by a dense or sparse adjacency matrix instead, or serve the onnxruntime backend's engine, which runs it"
 )
+# A parser that imports an op through a plugin its TensorRT build lacks (TensorRT-RTX's NonZero): "NonZero plugin
+# creator version 1 was not found in plugin registry", or onnx-tensorrt's "Plugin not found, are the plugin name,
+# version, and namespace correct?". No graph pass or opset removes an op the model computes with.
+PLUGIN_MISSING = re.compile(r"(?:(\w+) plugin creator version \S+ was not found in plugin registry|Plugin not found)")
+# How a PyTorch model computes without the op, where Kiln knows one
+WITHOUT_OP = {
+    "NonZero": "a dense or masked computation instead of torch.nonzero, boolean-mask indexing or one-argument "
+    "torch.where; a mixture of experts: every expert on every token, weighted by the router's mask",
+}
+
+
+def plugin_hint(op: str, name: str) -> str:
+    """The fix for an ``op`` node that TensorRT's parser imports as a plugin (``name``, where the message gives it)
+    that this TensorRT build lacks: the model computed without the op, or another backend."""
+    what = op or "the op"
+    plugin = f"the {name} plugin" if name and name != op else "a plugin"
+    how = f" ({WITHOUT_OP[op]})" if op in WITHOUT_OP else ""
+    return (
+        f"TensorRT's ONNX parser imports {what} as {plugin} this TensorRT build lacks: compute the model without "
+        f"{what}{how}, or use the onnxruntime backend, which runs it"
+    )
 
 
 def KilnTrtLogger(trt: ModuleType) -> Any:  # noqa: N802 - a factory standing in for a class
@@ -147,9 +168,12 @@ def one_line(text: str, limit: int = 300) -> str:
 
 def parser_hint(op: str, desc: str) -> str:
     """The fix for the parser's failure at an ``op`` node saying ``desc``: a scatter with a reduction has its own
-    (:data:`SCATTER_HINT`), else the first of :data:`PARSER_HINTS` the op or message names, else the default."""
+    (:data:`SCATTER_HINT`), as has an op whose plugin this TensorRT lacks (:func:`plugin_hint`), else the first of
+    :data:`PARSER_HINTS` the op or message names, else the default."""
     if op in SCATTER_OPS and "reduction" in desc.lower():
         return SCATTER_HINT
+    if missing := PLUGIN_MISSING.search(desc):
+        return plugin_hint(op, missing.group(1) or "")
     text = f"{op} {desc}"
     return next((h for key, h in PARSER_HINTS if key in text), DEFAULT_HINT)
 
