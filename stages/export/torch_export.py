@@ -1,6 +1,7 @@
 """The export itself: ``torch.onnx.export`` of a PyTorch model (the dynamo exporter, the TorchScript one as a
 fallback), its inputs and outputs named, its dynamic axes kept under the config's names, and the exporters' failures
-said as the user's code's (the op and line the exporter stopped at, the line a trace fixed a branch at). The checks
+said as the user's code's (the op and line the exporter stopped at, the line a trace fixed a branch at) or as the
+library setting they come from (QAT's fake-quantize modules, transformers' experts implementation). The checks
 that hold the graph it writes to PyTorch live apart (:mod:`.parity`, :mod:`.sizes`): this module knows torch's
 exporters, they know the graph."""
 
@@ -13,7 +14,8 @@ import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, NamedTuple
 
 import onnx
 import torch
@@ -80,6 +82,8 @@ def export_with_fallback(
     fixed: list[str] = []
     validation = ""  # where torch.distributions' argument validation made the dynamo exporter fail
     refused = ""  # why the dynamo exporter failed, where the TorchScript one then exported the graph
+    raised = ""  # the call torch's error says raised the dynamo exporter's failure (a branch or size read)
+    cause: Cause | None = None  # a library's setting the failure comes from (QAT's fake-quantize, MoE experts)
     for dynamo in (True, False) if opset >= 18 else (False,):
         pinned: list[str] = []  # where torch.export fixed a size to the example's
         try:
@@ -103,13 +107,15 @@ def export_with_fallback(
         except Exception as exc:  # the exporter raises many types; keep the message for the user
             interrupt.check()  # a Ctrl-C that landed inside the exporter's imports came out as another error
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {error_reason(exc)}")
+            cause = cause or known_cause(model, exc)
             if dynamo:
                 validation, refused = _in_distributions(exc), error_reason(exc) + _places(pinned)
+                raised = _raised_at(exc)
                 log.warning("dynamo exporter failed: %s; trying the TorchScript exporter", refused)
     else:
-        raise _export_failed(model, example, errors, opset, axes)
+        raise _export_failed(model, example, errors, opset, axes, raised, cause)
     if fixed:
-        refuse_traced_branch(fixed, errors, validation)
+        refuse_traced_branch(fixed, errors, validation, raised, cause)
     proto = load_onnx(path)
     _drop_debug_metadata(proto.graph)
     restore_axis_names(proto.graph, {d for a in axes.values() for d in a.values()})
@@ -378,6 +384,13 @@ DATA_BRANCH_FIX = (
     "write the branch with tensor ops (torch.where) or torch.cond, which the dynamo exporter exports, or export the "
     "model yourself and give Kiln the file (model: {onnx: model.onnx})"
 )
+SIZE_FROM_VALUES_FIX = (
+    "compute at sizes the inputs' shapes give, not sizes read from their values: dense or masked (every row through "
+    "each path, the rows it does not take zeroed by a mask or torch.where) instead of rows picked or split by counts "
+    "read with .tolist()/.item(); or export the model yourself and give Kiln the file (model: {onnx: model.onnx})"
+)
+# How the dynamo exporter says Python code read a tensor's value as a number (a size, a split's counts)
+_SIZE_FROM_VALUES = "extract specialized integer"
 
 
 def _data_dependent(dynamo: str) -> bool:
@@ -385,6 +398,13 @@ def _data_dependent(dynamo: str) -> bool:
     data-dependent expression u1 < 64``): Python code that decides a branch or a size from them, which torch.export
     cannot trace for every input."""
     return any(k in dynamo for k in _DATA_DEPENDENT)
+
+
+def _size_from_values(dynamo: str) -> bool:
+    """Whether the dynamo exporter's failure (``dynamo``) is a number read from the inputs' values (``Could not
+    extract specialized integer from data-dependent expression u0``): ``.tolist()``, ``.item()`` or ``int()`` of a
+    tensor used as a size, which the graph would keep at the example's value."""
+    return _SIZE_FROM_VALUES in dynamo
 
 
 def _traced_value(said: warnings.WarningMessage) -> str:
@@ -397,14 +417,17 @@ def _traced_value(said: warnings.WarningMessage) -> str:
     return f"{Path(said.filename).name}:{said.lineno}"
 
 
-def refuse_traced_branch(fixed: list[str], errors: list[str], validation: str = "") -> None:
+def refuse_traced_branch(
+    fixed: list[str], errors: list[str], validation: str = "", raised: str = "", cause: Cause | None = None
+) -> None:
     """After the dynamo exporter failed, the TorchScript exporter traced the model on its example and fixed the
     values Python code read from tensors at ``fixed``. Where dynamo failed because such a value decides a branch
-    (a data-dependent guard), the graph holds only the branch the example took and computes it for every input,
-    which the parity check passes whenever the data takes that branch too: an error. Where that guard is
-    ``torch.distributions``' argument validation (``validation``: its place), the error says so and how to turn it
-    off, which lets the dynamo exporter through. Otherwise the values may be shapes or constants: said in the log,
-    with the places, since the parity check compares only the data."""
+    or a size (a data-dependent guard), the graph holds only the branch (or size) the example took and computes it
+    for every input, which the parity check passes whenever the data takes that branch too: an error, naming the
+    call torch's error says raised it (``raised``) where it names one, and the fix of a known ``cause``. Where that
+    guard is ``torch.distributions``' argument validation (``validation``: its place), the error says so and how to
+    turn it off, which lets the dynamo exporter through. Otherwise the values may be shapes or constants: said in
+    the log, with the places, since the parity check compares only the data."""
     dynamo = next((e for e in errors if e.startswith("dynamo")), "")
     named = re.search(r"\(in [\w<>]+\(\) at ([^)]+):(\d+)\)", dynamo)  # the line dynamo's error names
     at = f"{Path(named.group(1)).name}:{named.group(2)}" if named else None
@@ -421,17 +444,28 @@ def refuse_traced_branch(fixed: list[str], errors: list[str], validation: str = 
             "set_default_validate_args(False) in the model factory (or validate_args=False where the distribution is "
             "made); the dynamo exporter then exports the model",
         )
-    if _data_dependent(dynamo):
-        raise ModelError(
-            f"the model decides a branch from its inputs' values at {places} ({dynamo}), and the TorchScript "
-            "exporter traced only the branch its example took: the graph would take that branch for every input",
-            hint=DATA_BRANCH_FIX,
+    if not _data_dependent(dynamo):
+        log.warning(
+            "the TorchScript exporter fixed values the model's Python code reads from tensors at %s: the graph keeps "
+            "the example's values there (right for shapes and constants, wrong for a branch on the inputs' values)",
+            places,
         )
-    log.warning(
-        "the TorchScript exporter fixed values the model's Python code reads from tensors at %s: the graph keeps "
-        "the example's values there (right for shapes and constants, wrong for a branch on the inputs' values)",
-        places,
-    )
+        return
+    places = raised or places  # the line torch says raised the failure: the branch or size read itself
+    if _size_from_values(dynamo):
+        said = (
+            f"the model reads a size from its inputs' values (.tolist(), .item() or int() of a tensor) at {places} "
+            f"({dynamo}), and the TorchScript exporter traced it as the example's number: the graph would use that "
+            "size for every input"
+        )
+        fix = SIZE_FROM_VALUES_FIX
+    else:
+        said = (
+            f"the model decides a branch from its inputs' values at {places} ({dynamo}), and the TorchScript "
+            "exporter traced only the branch its example took: the graph would take that branch for every input"
+        )
+        fix = DATA_BRANCH_FIX
+    raise ModelError(f"{said}; {cause.said}" if cause else said, hint=cause.fix if cause else fix)
 
 
 def _in_distributions(exc: BaseException) -> str:
@@ -451,6 +485,124 @@ def _in_distributions(exc: BaseException) -> str:
 
 # Where torch.distributions.Distribution checks values: its parameters (__init__), a sample given to log_prob
 _VALIDATES = ("__init__", "_validate_sample")
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and the errors it was raised from or during, each once."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+# How torch's data-dependent errors name the call that raised them: the branch or the size read itself
+_RAISED = re.compile(r'The following call raised this error:\s*File "([^"]+)", line (\d+)')
+
+
+def _raised_at(exc: BaseException) -> str:
+    """``file:line`` (the file by its name) of the call torch's error says raised it (``The following call raised
+    this error: File ".../modeling_mixtral.py", line 81``), the user's code or a library's, where the innermost frame
+    in the user's files may be only the call into that library; empty where it names none, or one of torch's files."""
+    torch_dir = Path(torch.__file__).resolve().parent
+    for err in _chain(exc):
+        found = _RAISED.search(str(err))
+        if found is not None and not Path(found.group(1)).resolve().is_relative_to(torch_dir):
+            return f"{Path(found.group(1)).name}:{found.group(2)}"
+    return ""
+
+
+class Cause(NamedTuple):
+    """An export failure that comes from a library's setting the user chose (:func:`known_cause`): what the error
+    adds to its message, and the fix, that setting changed."""
+
+    said: str
+    fix: str
+
+
+def known_cause(model: nn.Module, exc: BaseException) -> Cause | None:
+    """The library setting ``model``'s export failure (``exc``) comes from, where it is one no exporter writes and
+    another does: QAT's fake-quantize modules observing or fused (:func:`_qat_cause`), transformers' mixture-of-experts
+    layers computed by an implementation other than ``batched_mm`` (:func:`_experts_cause`); else None."""
+    return _qat_cause(model) or _experts_cause(model, exc)
+
+
+def _qat_cause(model: nn.Module) -> Cause | None:
+    """QAT's fake-quantize modules (``torch.ao.quantization.prepare_qat``) in ``model`` that no exporter writes: the
+    fused ``FusedMovingAvgObsFakeQuantize`` (the default QAT qconfigs' since version 1: one op, observer and fake
+    quantization, with no ONNX translation), and any whose observer is on (it updates its range at every forward,
+    in place and behind a branch on its flag); else None. With observers off, the non-fused ``FakeQuantize`` exports
+    as QuantizeLinear/DequantizeLinear."""
+    quant = torch.ao.quantization
+    fakes = [(n, m) for n, m in model.named_modules() if isinstance(m, quant.FakeQuantizeBase)]
+    fused = [n for n, m in fakes if isinstance(m, quant.FusedMovingAvgObsFakeQuantize)]
+    observing = [n for n, m in fakes if bool(m.observer_enabled[0])]
+    if not fused and not observing:
+        return None
+    said, fix = [], []
+    if fused:
+        said.append(f"the fused FusedMovingAvgObsFakeQuantize (at {_some(fused)}), one op no exporter writes")
+        fix.append(
+            'prepare QAT with the non-fused FakeQuantize: qconfig torch.ao.quantization.get_default_qat_qconfig("x86", '
+            "version=0) (the default, version 1, is the fused one)"
+        )
+    if observing:
+        said.append(f"observers on (at {_some(observing)}), which update their ranges in place at every forward")
+    fix.append(
+        "call model.apply(torch.ao.quantization.disable_observer) in the model factory once the ranges are observed "
+        "(or on the trained model before export): the fake-quantize modules then export as QuantizeLinear/"
+        "DequantizeLinear"
+    )
+    return Cause(f"the model fake-quantizes for QAT with {' and '.join(said)}", "; and ".join(fix))
+
+
+def _experts_cause(model: nn.Module, exc: BaseException) -> Cause | None:
+    """transformers' mixture-of-experts layers (``MixtralExperts``: the classes ``@use_experts_implementation``
+    dispatches) where the export failure (``exc``) is theirs: raised inside their forward (``eager``: a Python loop
+    over the experts the inputs route to) or at their ``grouped_mm`` op, which has no ONNX translation. Their
+    ``batched_mm`` implementation (batched matmuls over every expert) exports; None where the layers use it."""
+    experts = [m for m in model.modules() if _experts_implementation(m) not in (None, "batched_mm")]
+    if not experts:
+        return None
+    codes = {
+        c
+        for m in experts
+        for f in (type(m).forward, getattr(type(m).forward, "__wrapped__", None))
+        if (c := getattr(f, "__code__", None))
+    }
+    inside = any(tb.tb_frame.f_code in codes for err in _chain(exc) for tb in _frames(err.__traceback__))
+    if not inside and not any("grouped_mm" in str(err) for err in _chain(exc)):
+        return None
+    impl = _experts_implementation(experts[0])
+    return Cause(
+        f"it fails in transformers' mixture-of-experts layer {type(experts[0]).__name__}, computed by "
+        f"experts_implementation={impl!r}, which no exporter exports",
+        'load the model with experts_implementation="batched_mm" (from_pretrained(..., experts_implementation='
+        '"batched_mm"), or the model config\'s experts_implementation; on a built model, '
+        'model.set_experts_implementation("batched_mm")): its batched matmuls over every expert export',
+    )
+
+
+def _experts_implementation(module: nn.Module) -> str | None:
+    """The ``experts_implementation`` a transformers experts layer (a ``...Experts`` module whose config names one)
+    computes with; None for any other module."""
+    if not type(module).__name__.endswith("Experts"):
+        return None
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    return impl if isinstance(impl, str) else None
+
+
+def _frames(tb: TracebackType | None) -> Iterator[TracebackType]:
+    """The traceback entries of ``tb``, outermost first."""
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def _some(names: list[str]) -> str:
+    """``'a', 'b', 'c' and 2 more``: the first three of ``names``, quoted."""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(f"'{n}'" for n in names[:3]) + more
 
 
 def fallback_failed(failure: str, refused: str) -> ModelError:
@@ -503,12 +655,20 @@ class ExportFailed(ModelError):
 
 
 def _export_failed(
-    model: nn.Module, example: Inputs, errors: list[str], opset: int, axes: Mapping[str, Mapping[int, str]]
+    model: nn.Module,
+    example: Inputs,
+    errors: list[str],
+    opset: int,
+    axes: Mapping[str, Mapping[int, str]],
+    raised: str = "",
+    cause: Cause | None = None,
 ) -> ExportFailed:
     """The error where both exporters failed (``errors``: each one's reason), with the fix
     (:func:`_export_failed_hint`): where the dynamo exporter's one failure was fixing ``axes`` that vary, the
     line of the user's code it fixed them at (:func:`kiln.stages.export.pinned_sizes.pinned_at`), since the
-    TorchScript exporter tried next fails for a reason of its own (an op it cannot write)."""
+    TorchScript exporter tried next fails for a reason of its own (an op it cannot write); where the failure comes
+    from a library's setting (``cause``: :func:`known_cause`), that setting's fix, whatever else the errors say.
+    ``raised``: the call torch's error says raised the dynamo exporter's failure (:func:`_raised_at`)."""
 
     fixed = f"dynamo exporter: {_FIXED_AXES}"
     line = _short_line(pinned_at(model, example, axes)) if any(e.startswith(fixed) for e in errors) else ""
@@ -516,8 +676,10 @@ def _export_failed(
     complex_values = _complex_values(model, errors)
     if complex_values:
         said += f"; ONNX has no complex tensors, and the model computes with {complex_values}"
+    if cause is not None:
+        return ExportFailed(f"torch.onnx.export failed: {said}; {cause.said}", hint=cause.fix)
     return ExportFailed(
-        "torch.onnx.export failed: " + said, hint=_export_failed_hint(errors, opset, line, complex_values)
+        "torch.onnx.export failed: " + said, hint=_export_failed_hint(errors, opset, line, complex_values, raised)
     )
 
 
@@ -551,14 +713,19 @@ COMPLEX_HINT = (
 )
 
 
-def _export_failed_hint(errors: list[str], opset: int, line: str = "", complex_values: str = "") -> str:
+def _export_failed_hint(
+    errors: list[str], opset: int, line: str = "", complex_values: str = "", raised: str = ""
+) -> str:
     """The fix where both exporters failed: a later opset where the exporter names the one its op came in
     (``Support for this operator was added in version 20``: ``AffineGrid``, ``GridSample``'s modes); where the
     dynamo exporter failed only by fixing an axis that varies, how to keep sizes symbolic (at ``line``, the user's
     code it fixed the axis in, where found), which lets it export; where it stopped at a guard on the inputs'
-    values (:func:`_data_dependent`), the branch written with tensor ops, whatever the TorchScript exporter then
-    failed on (its trace would hold one side of the branch only); where the model computes with complex values
-    (``complex_values``), their rewrite as real ones; else an op ONNX may not express."""
+    values (:func:`_data_dependent`), the branch (or the size read from them: :func:`_size_from_values`) written
+    with tensor ops, whatever the TorchScript exporter then failed on (its trace would hold one side of the branch
+    only), at the user's line or else the one torch's error names (``raised``); where the model computes with
+    complex values (``complex_values``), their rewrite as real ones; below opset 18, where only the TorchScript
+    exporter runs, opset 18 where it lacked an op (the dynamo exporter writes more); else an op ONNX may not
+    express."""
 
     versions = [int(v) for e in errors for v in re.findall(r"added in (?:opset )?version (\d+)", e)]
     later = max((v for v in versions if v > opset), default=None)
@@ -570,8 +737,15 @@ def _export_failed_hint(errors: list[str], opset: int, line: str = "", complex_v
     dynamo = next((e for e in errors if e.startswith("dynamo exporter: ")), "")
     if _data_dependent(dynamo):
         named = re.search(r"\(in ([\w<>]+\(\) at [^)]+)\)$", dynamo)
-        at = f", in {named.group(1)}" if named else ""
+        at = f", in {named.group(1)}" if named else f", at {raised}" if raised else ""
+        if _size_from_values(dynamo):
+            return f"the dynamo exporter stopped at a size read from the inputs' values{at}: {SIZE_FROM_VALUES_FIX}"
         return f"the dynamo exporter stopped at a branch on the inputs' values{at}: {DATA_BRANCH_FIX}"
     if complex_values:
         return COMPLEX_HINT
+    if opset < 18 and any(re.search(r"to ONNX opset version \d+ is not supported", e) for e in errors):
+        return (
+            "export at opset 18, where Kiln runs the dynamo exporter, which writes ops the TorchScript exporter (the "
+            "only one below 18) cannot: --set export.opset=18 (the config's export.opset)"
+        )
     return "the model may use an op ONNX cannot express; see the message above"
