@@ -531,6 +531,12 @@ def _check_dynamic_axes(x: Inputs, dynamic: Mapping[str, Mapping[int, str]], ref
     for name, axes in dynamic.items():
         rank = ranks.get(name)
         for axis in axes:
+            if rank == 1:
+                raise DataContractError(
+                    f"signature.dynamic_axes gives input '{name}' axis {axis}, but dataset '{ref}' gives '{name}' "
+                    "only the batch axis (axis 0)",
+                    hint=f"remove '{name}' from signature.dynamic_axes (signature.batch_sizes sizes the batch axis)",
+                )
             if rank is not None and not 1 <= int(axis) < rank:
                 raise DataContractError(
                     f"signature.dynamic_axes gives input '{name}' axis {axis}, but dataset '{ref}' gives it "

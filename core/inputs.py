@@ -52,33 +52,78 @@ def check_batch_fits(
 
 def check_batch_axis(specs: list[TensorSpec], what: str) -> None:
     """Refuse inputs without a common batch axis: Kiln takes axis 0 of every input as the batch (its batch sizes,
-    the slices the checks compare, the rows of random inputs), so an input whose axis 0 is a fixed size beside one
-    whose axis 0 is dynamic, or inputs fixed at different sizes, would be cut or repeated where they must not (a
-    graph neural network's ``x [nodes, 8]`` beside ``edge_index [2, edges]``) and fail inside ONNX Runtime. Inputs
-    without axes, and those whose axis 0 is 1 (a temperature ``[1]``, an RNN's ``h0 [1, batch, H]``: they broadcast
-    over the batch), are left out, as are inputs that all share a dynamic axis elsewhere (a time-major RNN's
-    ``x [T, batch, F]``: a batch axis, if not first, which the stages that need it first say); ``what`` names the
-    model or engine in the error."""
-    named = [{d for d in s.shape if isinstance(d, str) and d} for s in specs if s.shape]
-    shared = set.intersection(*named) if named else set()
-    firsts = {s.name: s.shape[0] for s in specs if s.shape}
-    fixed = {name: dim for name, dim in firsts.items() if isinstance(dim, int) and dim > 1}
-    if shared:
-        return
-    free = [name for name, dim in firsts.items() if not isinstance(dim, int) or dim < 1]  # dynamic axis 0
+    the slices the checks compare, the rows of random inputs), so an input without axes (a scalar flag or trip count:
+    nothing to slice), an input whose axis 0 is a fixed size beside one whose axis 0 is dynamic (a temperature
+    ``[1]`` beside ``x [batch, 8]``, a time-major RNN's ``h0 [1, batch, H]`` beside ``x [T, batch, F]``: fed a row per
+    sample, which the graph refuses), or inputs fixed at different sizes (a graph neural network's ``x [nodes, 8]``
+    beside ``edge_index [2, edges]``) would be cut or repeated where they must not and fail inside ONNX Runtime.
+    Inputs that all fix axis 0 at one size (a published file's batch of 1) pass; ``what`` names the model or engine
+    in the error."""
+    _refuse_scalars(specs, what)
+    firsts = {s.name: s.shape[0] for s in specs}
+    fixed = {name: dim for name, dim in firsts.items() if isinstance(dim, int) and dim >= 1}
+    free = [name for name in firsts if name not in fixed]  # dynamic axis 0
     if not fixed or (not free and len(set(fixed.values())) == 1):
         return
-    shown = {s.name: f"'{s.name}' {_written(s.shape)}" for s in specs if s.name in firsts}
-    if free:
+    shown = {s.name: f"'{s.name}' {_written(s.shape)}" for s in specs}
+    named = [{d for d in s.shape if isinstance(d, str) and d} for s in specs]
+    shared = sorted(set.intersection(*named))
+    ones = [name for name, dim in fixed.items() if dim == 1]
+    others = {dim for name, dim in firsts.items() if name not in ones}
+    if ones and free and len(others) == 1 and not shared:  # a dynamic batch on every input but those fixed at 1
+        problem = f"input {shown[ones[0]]} has a fixed axis 0 of 1 while input {shown[free[0]]} takes a batch there"
+        hint = _batch_axis_hint([s for s in specs if s.name in ones])
+    elif free:
         name = next(iter(fixed))
         problem = (
             f"input {shown[name]} has a fixed axis 0 ({fixed[name]}) while axis 0 of input {shown[free[0]]} is dynamic"
         )
+        hint = _batch_first_hint(specs, shared[0]) if shared else batch_of_one_hint(specs)
     else:
         problem = "the inputs fix axis 0 at different sizes (" + ", ".join(shown[n] for n in fixed) + ")"
+        hint = _batch_first_hint(specs, shared[0]) if shared else batch_of_one_hint(specs)
     raise ModelError(
         f"{what}: {problem}: Kiln takes axis 0 of every input as the batch, and these inputs have no common one",
-        hint=batch_of_one_hint(specs),
+        hint=hint,
+    )
+
+
+def _batch_first_hint(specs: list[TensorSpec], axis: str) -> str:
+    """The fix for inputs that share a batch axis ``axis`` elsewhere than first (a time-major RNN's): take them
+    batch-first and move the axis back in the model."""
+    moved = ", ".join(f"{s.name} {_written(_first(s.shape, axis))}" for s in specs)
+    later = next(s for s in specs if s.shape[0] != axis)
+    back = f"{later.name}.movedim(0, {later.shape.index(axis)})"
+    return (
+        f"export the model taking its inputs with the shared axis '{axis}' first ({moved}), its forward moving it "
+        f"back where its layers take it ({back})"
+    )
+
+
+def _first(shape: list[int | str], axis: str) -> list[int | str]:
+    """``shape`` with the axis named ``axis`` moved to the front."""
+    at = shape.index(axis)
+    return [axis, *shape[:at], *shape[at + 1 :]]
+
+
+def _refuse_scalars(specs: list[TensorSpec], what: str) -> None:
+    """Refuse an input without axes (shape ``[]``): Kiln slices, repeats and joins every input along axis 0."""
+    scalars = [s for s in specs if not s.shape]
+    if scalars:
+        raise ModelError(
+            f"{what}: input '{scalars[0].name}' has no axes (shape []): Kiln takes axis 0 of every input as the "
+            "batch, slicing and repeating the inputs along it",
+            hint=_batch_axis_hint(scalars),
+        )
+
+
+def _batch_axis_hint(specs: list[TensorSpec]) -> str:
+    """The fix for inputs without a batch axis of their own (a flag, a trip count, a temperature shared by the
+    batch): export them with one, a value per sample."""
+    taking = ", ".join(f"{s.name} {_written(['batch', *s.shape[1:]])}" for s in specs)
+    return (
+        f"export the model taking {taking}, a batch axis first (one value per sample, repeated where the whole "
+        "batch shares it), or fold the value into the model as a constant"
     )
 
 
@@ -199,7 +244,7 @@ def booleans(rng: np.random.Generator, shape: list[int]) -> np.ndarray:
     on inputs no real sample has. The cuts are those the checks make of inputs drawn at the largest size of an
     axis (:func:`kiln.core.shapes.resize`). So the second position is the first's opposite and the last the
     second-to-last's; the draw stays fixed by the generator's seed."""
-    mask = rng.random(shape) < 0.5
+    mask = np.asarray(rng.random(shape) < 0.5)  # an array at shape [] too, not a numpy scalar
     if mask.ndim >= 2 and mask.shape[-1] >= 2:
         mask[..., 1] = ~mask[..., 0]
         mask[..., -1] = ~mask[..., -2]

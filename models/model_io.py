@@ -93,7 +93,8 @@ def check_onnx_takes(path: Path, data: DatasetSplits, ref: str, signature: Signa
 def check_onnx_axes(path: Path, inputs: list[TensorSpec], dynamic_axes: dict[str, dict[int, str]]) -> None:
     """``signature.dynamic_axes`` against the inputs of the ``model.onnx`` a run starts from: each names an input
     the graph has, an axis it has, and one the file leaves free (a size the file fixes cannot vary; the batch axis
-    is the run's to choose whatever the file says)."""
+    is the run's to choose whatever the file says; a free axis the file leaves unnamed takes the name given here).
+    Axes the file names alike are one size (:func:`_check_named_alike`)."""
     specs = {s.name: s for s in inputs}
     for name, axes in dynamic_axes.items():
         if name not in specs:
@@ -111,12 +112,77 @@ def check_onnx_axes(path: Path, inputs: list[TensorSpec], dynamic_axes: dict[str
                     f"axes in model.onnx {path.name} (shape {list(shape)})",
                     hint=f"give an axis from 0 to {len(shape) - 1}",
                 )
-            if axis > 0 and isinstance(shape[axis], int):
+            if axis > 0 and isinstance(shape[axis], int) and shape[axis] >= 1:  # 0: free, without a name
                 raise ConfigError(
                     f"model.onnx {path.name} fixes input '{name}' axis {axis} at {shape[axis]}: it cannot vary as "
                     f"signature.dynamic_axes says ({label})",
                     hint="remove it from signature.dynamic_axes, or export the file with that axis dynamic",
                 )
+    _check_named_alike(path, inputs, dynamic_axes)
+
+
+def _check_named_alike(path: Path, inputs: list[TensorSpec], dynamic_axes: dict[str, dict[int, str]]) -> None:
+    """Axes besides the batch that the file gives one name (``ids [batch, seq_len]`` beside ``mask [batch,
+    seq_len]``: one size) are all named in ``signature.dynamic_axes`` and alike there, where it names any of them:
+    the checks vary each name of it apart, and an axis left out stays at the data's own size, so ``ids`` at 3
+    positions would meet ``mask`` at 12, which the graph refuses with a broadcast error naming neither."""
+    given = {(name, int(axis)): label for name, axes in dynamic_axes.items() for axis, label in axes.items()}
+    for dim, places in _file_names(inputs).items():
+        labels = {given[p] for p in places if p in given}
+        if not labels:
+            continue
+        left = [p for p in places if p not in given]
+        if not left and len(labels) == 1:
+            continue
+        if left:
+            named = [p for p in places if p in given]
+            problem = (
+                f"signature.dynamic_axes names {_places(named, given)} and leaves out {_places(left)}, which "
+                f"model.onnx {path.name} names '{dim}' too"
+            )
+        else:
+            problem = (
+                f"signature.dynamic_axes names {_places(places, given)} apart, which model.onnx {path.name} names "
+                f"alike ('{dim}')"
+            )
+        alike = {k: {int(a): v for a, v in axes.items()} for k, axes in dynamic_axes.items()}
+        for name, axis in places:
+            alike.setdefault(name, {})[axis] = dim
+        varies = "only the axes signature.dynamic_axes names" if left else "each name of signature.dynamic_axes apart"
+        raise ConfigError(
+            f"{problem}: the file declares them one size, and Kiln varies {varies}",
+            hint=f"name them alike, as the file does: --set 'signature.dynamic_axes={_axes_flow(alike)}' (or the "
+            "same under signature: in the run's config)",
+        )
+
+
+def _file_names(inputs: list[TensorSpec]) -> dict[str, list[tuple[str, int]]]:
+    """Each name the file gives an input axis besides the batch, with the (input, axis) places that carry it; names
+    an input's axis 0 carries are the batch's, the run's to size."""
+    batch = {s.shape[0] for s in inputs if s.shape}
+    out: dict[str, list[tuple[str, int]]] = {}
+    for spec in inputs:
+        for axis, dim in enumerate(spec.shape):
+            if axis and isinstance(dim, str) and dim and dim not in batch:
+                out.setdefault(dim, []).append((spec.name, axis))
+    return out
+
+
+def _places(places: list[tuple[str, int]], labels: dict[tuple[str, int], str] | None = None) -> str:
+    """``input 'ids' axis 1 ('s1') and input 'mask' axis 1 ('s2')``, with the labels where given."""
+    said = [f"input '{n}' axis {a}" + (f" ('{labels[(n, a)]}')" if labels else "") for n, a in places]
+    return said[0] if len(said) == 1 else ", ".join(said[:-1]) + " and " + said[-1]
+
+
+def _axes_flow(axes: dict[str, dict[int, str]]) -> str:
+    """``{ids: {1: seq}, mask: {1: seq}}``: signature.dynamic_axes in YAML's flow style (a name YAML would not read
+    as that text in quotes)."""
+
+    def word(text: str) -> str:
+        return text if re.fullmatch(r"[A-Za-z_][\w.-]*", text) else json.dumps(text)
+
+    inner = ("{" + ", ".join(f"{a}: {word(v)}" for a, v in sorted(d.items())) + "}" for d in axes.values())
+    return "{" + ", ".join(f"{word(k)}: {d}" for k, d in zip(axes, inner)) + "}"
 
 
 def _check_onnx_classes(

@@ -61,9 +61,48 @@ def reference_error(
     if own is not None and any(v < own.get(k, v) for k, v in at.items()):
         tied = _tied_alike(axes, largest) != {k: dict(v) for k, v in axes.items()}
         hint = _resized_hint(inputs, own, at) + (f"; or {hint}" if tied else "")
+    left = _left_out(fed, axes, largest)
+    if left:
+        hint = f"{_left_out_hint(axes, left)}; or {hint}"
     return ModelError(
         f"ONNX Runtime cannot run the reference, {shown}, on the {inputs} inputs {shapes}: {short_reason(exc, 300)}",
         hint=hint,
+    )
+
+
+def _left_out(fed: Feed, axes: Axes, largest: Feed) -> dict[tuple[str, int], str]:
+    """Input axes besides the batch that ``axes`` leaves out, each with the name of a named axis at the same place
+    (axis number) that it matches in size in ``largest`` (every axis at its largest) but not in ``fed``: an axis left
+    out stays at the data's own size while the named one is set apart, so an attention mask of 12 positions meets ids
+    cut to 3, which the graph refuses where the two are one axis (a file that names its mask's axis apart, or leaves
+    it unnamed)."""
+    sized: dict[tuple[int, int], str] = {}  # (axis, size at its largest) -> name, of the axes set apart in fed
+    for k, dims in axes.items():
+        for axis, label in dims.items():
+            if int(axis) and k in fed and k in largest and np.ndim(largest[k]) > int(axis):
+                size = int(np.shape(largest[k])[int(axis)])
+                if np.shape(fed[k])[int(axis)] != size:
+                    sized.setdefault((int(axis), size), label)
+    out: dict[tuple[str, int], str] = {}
+    for k, value in largest.items():
+        for axis in range(1, np.ndim(value)):
+            place = (axis, int(np.shape(value)[axis]))
+            if axis not in {int(a) for a in axes.get(k, {})} and place in sized and k in fed:
+                out[(k, axis)] = sized[place]
+    return out
+
+
+def _left_out_hint(axes: Axes, left: dict[tuple[str, int], str]) -> str:
+    """The fix for axes left out of signature.dynamic_axes that follow a named one: name them alike."""
+    named = {k: dict(v) for k, v in axes.items()}
+    for (k, axis), label in left.items():
+        named.setdefault(k, {})[axis] = label
+    which = " and ".join(f"input '{k}' axis {axis}" for k, axis in left)
+    labels = " and ".join(f"'{label}'" for label in dict.fromkeys(left.values()))
+    return (
+        f"signature.dynamic_axes leaves out {which}, kept at the data's own size while {labels} varied: where it "
+        f"follows {labels}, name it alike: --set 'signature.dynamic_axes={_axes_text(named)}' (or the same under "
+        "signature: in the run's config)"
     )
 
 

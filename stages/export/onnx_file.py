@@ -5,6 +5,7 @@ model's output names, and the data's indices against the tables the graph indexe
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -38,17 +39,19 @@ from kiln.stages.export.parity import torch_outputs
 log = logging.getLogger("kiln.export")
 
 
-def take_onnx(src: Path, path: Path) -> ExportSummary:
+def take_onnx(src: Path, path: Path, axes: Mapping[str, Mapping[int, str]] | None = None) -> ExportSummary:
     """``model.onnx``: the user's file in place of an export, checked and shape-inferred like one. A file whose batch
     axis is a number (published files often fix it at 1) gets a symbolic one, once the graph is shown to compute the
-    same rows at twice that batch (:func:`free_checked`): the batch sizes are the run's to choose. A graph whose
-    outputs are random draws is refused first (:func:`kiln.core.onnx_io.refuse_random_graph`): every check after
-    would compare two runs of it and blame the batch, the precision or the engine."""
+    same rows at twice that batch (:func:`free_checked`): the batch sizes are the run's to choose. The axes ``axes``
+    (``signature.dynamic_axes``) names take those names in the copy (:func:`name_axes`). A graph whose outputs are
+    random draws is refused first (:func:`kiln.core.onnx_io.refuse_random_graph`): every check after would compare
+    two runs of it and blame the batch, the precision or the engine."""
     proto = load_onnx(src)
     check_tensor_io(proto, f"model.onnx {src.name}")
     refuse_random_graph(proto, f"model.onnx {src.name}", hint=f"{RANDOM_HINT}; then export {src.name} again")
     fixed = fixed_batch(proto)
     proto = free_checked(proto, src, *fixed) if fixed else infer_shapes(proto, strict=False)
+    name_axes(proto, axes or {}, src.name)
     save_onnx(proto, path)
     check_onnx(path, f"model.onnx {src.name}")
     inputs, outputs = io_specs(proto)
@@ -61,6 +64,40 @@ def take_onnx(src: Path, path: Path) -> ExportSummary:
         opset=max((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), default=0),
         freed_batch=fixed[0] if fixed else None,
     )
+
+
+def name_axes(proto: onnx.ModelProto, axes: Mapping[str, Mapping[int, str]], shown: str) -> dict[str, str]:
+    """Give each input axis besides the batch that ``axes`` (``signature.dynamic_axes``) names that name in
+    ``proto``, and every other place of the file's old name for it (outputs, inferred values) where the old name
+    gets one new name: the stages after the export size an axis by the name the graph gives it (an engine's
+    profiles, its recorded ranges), and the config's names are those the user gave its sizes and will read in the
+    report, so both must be the graph's. An axis the file fixes is left as it is (the run's check refuses it);
+    an axis the file left unnamed gets its name. Returns the renames (old name -> new; ``''`` for unnamed)."""
+    graph = proto.graph
+    values = {v.name: v for v in graph.input}
+    batch = {v.type.tensor_type.shape.dim[0].dim_param for v in graph.input if v.type.tensor_type.shape.dim}
+    renames: dict[str, set[str]] = {}
+    for name, dims in axes.items():
+        shape = values[name].type.tensor_type.shape.dim if name in values else []
+        for axis, label in dims.items():
+            dim = shape[int(axis)] if 0 < int(axis) < len(shape) else None
+            if dim is None or dim.HasField("dim_value") or dim.dim_param == label:
+                continue
+            renames.setdefault(dim.dim_param, set()).add(label)
+            dim.dim_param = label
+    elsewhere = {old: next(iter(new)) for old, new in renames.items() if old and old not in batch and len(new) == 1}
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in elsewhere:  # only there: setting dim_param clears a dim_value
+                dim.dim_param = elsewhere[dim.dim_param]
+    said = {old: ", ".join(sorted(new)) for old, new in renames.items()}
+    if said:
+        log.info(
+            "model.onnx %s: input axes named as signature.dynamic_axes names them (%s)",
+            shown,
+            "; ".join(f"'{old}' -> '{new}'" if old else f"unnamed -> '{new}'" for old, new in said.items()),
+        )
+    return said
 
 
 def free_checked(proto: onnx.ModelProto, src: Path, batch: int, example: str) -> onnx.ModelProto:

@@ -526,3 +526,17 @@ def test_inputs_of_other_row_counts_that_are_no_bags_keep_the_general_fix() -> N
     with pytest.raises(DataContractError) as e:
         check_splits(DatasetSplits(x, None, x, None), "d")
     assert e.value.hint.startswith("give every input one row per sample on axis 0")
+
+
+def test_dynamic_axes_on_an_input_of_the_batch_axis_alone_say_to_remove_it() -> None:
+    """Before: "(0 is the batch; 1..0 may vary)" and "fix: name an axis from 1 to 0 of 'timestep'"."""
+    x = {"image": torch.zeros(4, 3), "timestep": torch.zeros(4, dtype=torch.int64)}
+    with pytest.raises(DataContractError) as err:
+        check_splits(DatasetSplits(x, None, x, None), "cnet:load", {"timestep": {1: "t"}})
+    assert err.value.message == (
+        "signature.dynamic_axes gives input 'timestep' axis 1, but dataset 'cnet:load' gives 'timestep' only the "
+        "batch axis (axis 0)"
+    )
+    assert (
+        err.value.hint == "remove 'timestep' from signature.dynamic_axes (signature.batch_sizes sizes the batch axis)"
+    )

@@ -139,12 +139,42 @@ def test_inputs_fixed_at_different_sizes_are_refused() -> None:
 
 
 def test_inputs_sharing_a_batch_axis_pass() -> None:
-    """A symbolic batch on every input, one fixed size on every input (a published file's batch of 1), or an input
-    without axes beside them."""
-    wrapped = [TensorSpec(name=s.name, shape=["batch", *s.shape], dtype=s.dtype) for s in _gnn()]
-    scalar = TensorSpec(name="t", shape=[], dtype="float32")
-    check_batch_axis([*wrapped, scalar], "m")
+    """A symbolic batch on every input, or one fixed size on every input (a published file's batch of 1)."""
+    check_batch_axis([TensorSpec(name=s.name, shape=["batch", *s.shape], dtype=s.dtype) for s in _gnn()], "m")
     check_batch_axis([TensorSpec(name=s.name, shape=[1, *s.shape], dtype=s.dtype) for s in _gnn(200, 988)], "m")
+    check_batch_axis(
+        [TensorSpec(name="x", shape=[1, 8], dtype="float32"), TensorSpec(name="t", shape=[1], dtype="float32")], "m"
+    )
+    check_batch_axis([TensorSpec(name=n, shape=["T", "batch", 2], dtype="float32") for n in ("x", "m")], "m")
+
+
+def test_an_input_without_axes_is_refused_with_a_batch_axis_fix() -> None:
+    """Before: left out here, a bool flag of shape [] ended in `TypeError: expected np.ndarray (got numpy.bool_)`
+    and an int64 trip count in `IndexError: slice() cannot be applied to a 0-dim tensor`, Kiln's own slicing."""
+    specs = [
+        TensorSpec(name="x", shape=["batch", 8], dtype="float32"),
+        TensorSpec(name="use_alt", shape=[], dtype="bool"),
+    ]
+    with pytest.raises(ModelError) as err:
+        check_batch_axis(specs, "model.onnx if.onnx")
+    assert err.value.message.startswith("model.onnx if.onnx: input 'use_alt' has no axes (shape []): Kiln takes axis 0")
+    assert (err.value.hint or "").startswith("export the model taking use_alt [batch], a batch axis first")
+
+
+def test_an_input_fixed_at_1_beside_a_dynamic_batch_is_refused() -> None:
+    """Before: left out as broadcasting over the batch, though every feed gives it a row per sample: ONNX Runtime's
+    "Got: 8 Expected: 1", or a TensorRT profile error about settings the user never made."""
+    specs = [
+        TensorSpec(name="x", shape=["batch", 8], dtype="float32"),
+        TensorSpec(name="t", shape=[1], dtype="float32"),
+    ]
+    with pytest.raises(ModelError) as err:
+        check_batch_axis(specs, "model.onnx temp.onnx")
+    assert err.value.message == (
+        "model.onnx temp.onnx: input 't' [1] has a fixed axis 0 of 1 while input 'x' [batch, 8] takes a batch "
+        "there: Kiln takes axis 0 of every input as the batch, and these inputs have no common one"
+    )
+    assert (err.value.hint or "").startswith("export the model taking t [batch], a batch axis first")
 
 
 @pytest.mark.parametrize(
@@ -152,14 +182,26 @@ def test_inputs_sharing_a_batch_axis_pass() -> None:
     [
         {"x": [5, "batch", 2], "h0": [1, "batch", 3]},  # a time-major RNN: its batch is axis 1
         {"x": ["T", "batch", 2], "h0": [1, "batch", 3]},
-        {"x": ["batch", 4], "t": [1]},  # a temperature shared by the batch
-        {"x": [4, 4], "t": [1]},  # a fixed batch of 4 beside it
     ],
 )
-def test_inputs_that_broadcast_or_share_a_batch_elsewhere_are_no_graph_without_a_batch(shapes: dict) -> None:
-    from kiln.core.inputs import check_batch_axis
+def test_a_time_major_rnns_inputs_are_refused_with_the_batch_first_fix(shapes: dict) -> None:
+    """Before: passed here, then h0 was fed a row per sample (ONNX Runtime's traceback in the export, or h0 [0, ...]
+    in `kiln precision`)."""
+    with pytest.raises(ModelError) as err:
+        check_batch_axis([TensorSpec(name=n, shape=s, dtype="float32") for n, s in shapes.items()], "m")
+    x = _written_first(shapes["x"])
+    assert f"with the shared axis 'batch' first (x {x}, h0 [batch, 1, 3])" in (err.value.hint or "")
+    assert "x.movedim(0, 1)" in (err.value.hint or "")
 
-    check_batch_axis([TensorSpec(name=n, shape=s, dtype="float32") for n, s in shapes.items()], "model.onnx m.onnx")
+
+def _written_first(shape: list) -> str:
+    return "[" + ", ".join(str(d) for d in ["batch", shape[0], *shape[2:]]) + "]"
+
+
+def test_random_booleans_without_axes_are_an_array() -> None:
+    """The optimizer's safety net feeds ONNX Runtime, which takes arrays, not a numpy scalar."""
+    feed = random_inputs([TensorSpec(name="flag", shape=[], dtype="bool")], batch=4)
+    assert isinstance(feed["flag"], np.ndarray) and feed["flag"].shape == ()
 
 
 def test_a_float_input_with_an_index_range_is_drawn_as_whole_numbers_within_it() -> None:

@@ -482,3 +482,88 @@ def test_an_onnx_start_naming_logits_over_a_dynamic_axis_besides_the_batch_goes_
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
     x, y = torch.randn(8, 6), torch.randint(0, 6, (8,))
     check_onnx_takes(path, DatasetSplits(x, y, x, y, 6), "qa", Signature(logits_output="start_logits"))
+
+
+def _loop_like(path: Path, mask_axis: str | int = "seq_len") -> Path:
+    """``ids [batch, seq_len]`` and ``mask [batch, <mask_axis>]`` -> ``y = ids * mask`` (one size: a broadcast
+    error otherwise); ``0``: the mask's axis left unnamed."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    mask = helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["batch", mask_axis or None])
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["ids", "mask"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.FLOAT, ["batch", "seq_len"]), mask],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq_len"])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("axes", "said"),
+    [
+        (  # Before: validation fed ids at 3 beside mask at 12, and blamed a position table
+            {"ids": {1: "seq_len"}},
+            "signature.dynamic_axes names input 'ids' axis 1 ('seq_len') and leaves out input 'mask' axis 1, which "
+            "model.onnx m.onnx names 'seq_len' too: the file declares them one size, and Kiln varies only the axes "
+            "signature.dynamic_axes names",
+        ),
+        (  # Before: the same, and a fix naming them alike under a new name, which the TensorRT build then refused
+            {"ids": {1: "s1"}, "mask": {1: "s2"}},
+            "signature.dynamic_axes names input 'ids' axis 1 ('s1') and input 'mask' axis 1 ('s2') apart, which "
+            "model.onnx m.onnx names alike ('seq_len'): the file declares them one size, and Kiln varies each name of "
+            "signature.dynamic_axes apart",
+        ),
+    ],
+)
+def test_axes_the_file_names_alike_are_named_alike_in_dynamic_axes(tmp_path: Path, axes: dict, said: str) -> None:
+    from kiln.core.signature import Signature
+    from kiln.models.model_io import random_splits
+
+    path = _loop_like(tmp_path / "m.onnx")
+    signature = Signature(dynamic_axes=axes, shapes={"seq_len": [3, 12]})
+    with pytest.raises(ConfigError) as err:
+        random_splits(path, signature, 0)
+    assert err.value.message == said
+    assert err.value.hint == (
+        "name them alike, as the file does: --set 'signature.dynamic_axes={ids: {1: seq_len}, mask: {1: seq_len}}' "
+        "(or the same under signature: in the run's config)"
+    )
+    fixed = Signature(dynamic_axes={"ids": {1: "seq_len"}, "mask": {1: "seq_len"}}, shapes={"seq_len": [3, 12]})
+    assert random_splits(path, fixed, 0).val_x["mask"].shape == (64, 12)
+
+
+def test_an_axis_the_file_leaves_unnamed_takes_a_name_in_dynamic_axes(tmp_path: Path) -> None:
+    """Before: the unnamed axis (0 in the file's shape) was said to be fixed at 0, so no setting could name it."""
+    from kiln.core.signature import Signature
+    from kiln.models.model_io import random_splits
+
+    path = _loop_like(tmp_path / "m.onnx", mask_axis=0)
+    axes = {"ids": {1: "seq_len"}, "mask": {1: "seq_len"}}
+    assert random_splits(path, Signature(dynamic_axes=axes, shapes={"seq_len": [5]}), 0).val_x["mask"].shape[1] == 5
+
+
+def test_an_onnx_start_with_an_input_without_axes_is_one_error(tmp_path: Path) -> None:
+    """Before: random inputs of a bool flag of shape [] ended in `TypeError: expected np.ndarray (got numpy.bool_)`."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from kiln.core.errors import ModelError
+    from kiln.core.signature import Signature
+    from kiln.models.model_io import random_splits
+
+    graph = helper.make_graph(
+        [helper.make_node("Where", ["flag", "x", "x2"], ["y"]), helper.make_node("Neg", ["x"], ["x2"])],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+            helper.make_tensor_value_info("flag", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+    )
+    path = tmp_path / "flag.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    with pytest.raises(ModelError, match=r"model.onnx flag.onnx: input 'flag' has no axes \(shape \[\]\)"):
+        random_splits(path, Signature(), 0)

@@ -62,8 +62,9 @@ def test_a_two_tower_graph_keeps_its_inputs_first_axes_apart(tmp_path: Path) -> 
     assert served_max_batch(meta, 32) == 0 and hash_file(src) == before
 
 
-def test_a_scalar_input_beside_the_tied_ones_is_no_crash(tmp_path: Path) -> None:
-    """A scalar ``scale`` beside ``images`` and ``meta``: it has no rows to count, and the two are still tied."""
+def test_a_scalar_input_beside_the_tied_ones_is_one_error(tmp_path: Path) -> None:
+    """A scalar ``scale`` beside ``images`` and ``meta``: it has no batch axis for Kiln's checks and servers to slice,
+    so the build refuses it with the fix (a batch axis), and leaves no tied copy behind."""
     value = helper.make_tensor_value_info
     inputs = [
         value("images", TensorProto.FLOAT, ["unk__42", 3]),
@@ -77,7 +78,7 @@ def test_a_scalar_input_beside_the_tied_ones_is_no_crash(tmp_path: Path) -> None
     graph = helper.make_graph(nodes, "g", inputs, [value("out", TensorProto.FLOAT, ["unk__44", 5])])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "s.onnx")
     result = invoke("build", tmp_path / "s.onnx", "-o", tmp_path / "e")
-    assert result.exit_code == 0, result.output
-    meta = EngineMetadata.read(tmp_path / "e" / SIDECAR, hint="")
-    assert [s.shape[0] for s in meta.inputs if s.shape] == ["unk__42", "unk__42"]
+    assert result.exit_code == 2, result.output
+    assert "input 'scale' has no axes" in result.output and "scale [batch]" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "e").exists()
     assert not list(tmp_path.glob(".kiln-tied-*"))  # the copy is gone
