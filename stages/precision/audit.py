@@ -1,30 +1,34 @@
-"""Which precision a graph computes in, and how much it computes: each compute node's FLOPs per sample (from its
-shapes at concrete sizes) and the precision the graph gives it — a MatMul/Conv fed by a DequantizeLinear
-or an integer op is INT8, one on FP16 tensors FP16, the rest FP32. An op no runtime computes in integers from Q/DQ
-(LSTM/GRU/RNN, DFT/STFT: :data:`FLOAT_ONLY`) is FP32 behind a DequantizeLinear too: it runs on the dequantized
-values; ONNX Runtime's dynamic quantization computes an LSTM in integers (DynamicQuantizeLSTM: INT8). In an ONNX
-Runtime engine's graph, whose Q/DQ pairs ONNX Runtime has fused into integer ops where it computes in integers, a
-float op still behind a DequantizeLinear (a ConvTranspose: no integer kernel on its CPU provider) is FP32.
+"""Which precision a graph computes in, and how much it computes: each compute node's FLOPs per sample (from its shapes
+at concrete sizes) and the precision the graph gives it — a MatMul/Conv fed by a DequantizeLinear or an integer op
+is INT8 (through layout ops and Casts to a float type: an FP16 graph's Cast after each DequantizeLinear), one on
+FP16 tensors FP16, the rest FP32. An op no runtime computes in integers from Q/DQ (LSTM/GRU/RNN, DFT/STFT:
+:data:`FLOAT_ONLY`) is FP32 behind a DequantizeLinear too: it runs on the dequantized values; ONNX Runtime's dynamic
+quantization computes an LSTM in integers (DynamicQuantizeLSTM: INT8). In an ONNX Runtime engine's graph, whose Q/DQ
+pairs ONNX Runtime has fused into integer ops where it computes in integers, a float op still behind a
+DequantizeLinear (a ConvTranspose: no integer kernel on its CPU provider) is FP32.
 
-The compute nodes, each counted by a standard formula from its shapes: MatMul, Gemm, Conv, ConvTranspose,
-DeformConv and their fused and integer forms (2 x multiply-adds); LSTM, GRU and RNN (their gates' GEMMs at every
-step); an Einsum of two operands (2 x the product of its index sizes: a GEMM's 2 M N K); DFT and STFT (5 N log2 N
-per complex transform of length N, half for a real signal: FFTW's convention, whichever algorithm the runtime
-runs). Counted rather than listed because their shapes give their FLOPs: an FNet whose cost is FP32 DFTs beside
-INT8 linear layers is then not "int8 100 %".
+The compute nodes, each counted by a standard formula from its shapes: MatMul, Gemm, Conv, ConvTranspose, DeformConv
+and their fused and integer forms (2 x multiply-adds); LSTM, GRU and RNN (their gates' GEMMs at every step); an
+Einsum (its pairwise contractions in the order numpy finds cheapest, its optimal path: 2 x the product of each one's
+index sizes, for two operands a GEMM's 2 M N K); DFT and STFT (5 N log2 N per complex
+transform of length N, half for a real signal: FFTW's convention, whichever algorithm the runtime runs; a length
+computed from the input's shape, as ``rfft(x, n=2 * L)`` exports, folded at the sizes counted). Counted rather than
+listed because their shapes give their FLOPs: an FNet whose cost is FP32 DFTs beside INT8 linear layers is then not
+"int8 100 %".
 
 Other compute nodes cannot be counted per sample, and are recorded by precision (``uncounted``) and by op
 (``uncounted_ops``): attention ops (their FLOPs depend on heads, masks and cached lengths their shapes do not give),
-an Einsum of three operands or more (its cost depends on the order of contraction), any compute node inside a
-Loop, Scan or If body (it runs as many times as the data says), and one whose shapes inference cannot give (named
-``"MatMul (after a Loop)"`` where it computes on a Loop's, Scan's or If's output, whose shape is the data's).
-Where onnx's inference leaves a compute node's shapes unknown (it does not compute a Slice or Range whose bounds
-come from a Shape: a transformer's position ids, then its attention heads' Reshape), ONNX Runtime's symbolic shape
-inference runs at the same sizes first; where both leave one unsized (an exported ``torch.stft(center=True)``: its
-reflect Pad, then a Reshape to a size computed from the input's), the graph runs once on ONNX Runtime's CPU provider
-at those sizes, and the shapes its tensors come out with are read (not those after a Loop, Scan or If: the
-data's). Each precision's share then has a floor (:func:`share_floor`) that the labels are judged by: the uncounted
-nodes' FLOPs are not silently dropped.
+an Einsum of more than six operands (the optimal path tries every order), any compute node inside a Loop, Scan or If
+body (weighed against the other precisions once per run: a Loop's trip count, constant or from the input's shape, a
+Scan's scanned length; a body of no known trip count runs as many times as the data says, and puts every other
+precision's share in doubt), and one whose shapes inference cannot give (named ``"MatMul (after a Loop)"`` where it
+computes on a Loop's, Scan's or If's output, whose shape is the data's). Where onnx's inference leaves a compute
+node's shapes unknown (it does not compute a Slice or Range whose bounds come from a Shape: a transformer's position
+ids, then its attention heads' Reshape), ONNX Runtime's symbolic shape inference runs at the same sizes first; where
+both leave one unsized (an exported ``torch.stft(center=True)``: its reflect Pad, then a Reshape to a size computed
+from the input's), the graph runs once on ONNX Runtime's CPU provider at those sizes, and the shapes its tensors
+come out with are read (not those after a Loop, Scan or If: the data's). Each precision's share then has a floor
+(:func:`share_floor`) that the labels are judged by: the uncounted nodes' FLOPs are not silently dropped.
 
 The precision stage uses it to refuse a variant with no compute node left in its precision; the build stage to
 record each engine's precision shares in ``kiln-engine.json`` and to refuse a label the graph contradicts (an
@@ -106,22 +110,29 @@ class Audit:
     float_behind_dq: dict[str, str] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)  # the dynamic axis sizes the FLOPs are counted at
     by_node: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # name -> op, precision, FLOPs (counted)
+    # the uncounted nodes' runs per sample beyond one each, by precision (a node in the body of a Loop of 6 trips:
+    # 5 more; none where the trip count is not known, those nodes being in ``unbounded``)
+    repeats: Counter[str] = field(default_factory=Counter)
+    unbounded: Counter[str] = field(default_factory=Counter)  # in a Loop's or Scan's body of no known trip count
 
     @property
     def total(self) -> int:
         return sum(self.flops.values())
 
     def share(self) -> dict[str, float]:
-        """Each precision's share of the FLOPs (of the node count where no FLOPs could be counted)."""
-        weights = self.flops if self.total else self.nodes
+        """Each precision's share of the FLOPs; where none could be counted, of the compute nodes' runs per sample
+        (a node in a Loop's body runs its trip count times: :attr:`repeats`)."""
+        weights = self.flops if self.total else self.nodes + self.repeats
         whole = sum(weights.values())
         return {p: round(weights[p] / whole, 4) for p in ("int8", "fp8", "fp16", "fp32") if whole and weights[p]}
 
     def floor(self) -> dict[str, float]:
         """Each precision's least share, uncounted nodes weighed against it (:func:`share_floor`)."""
-        if not self.total:  # shares by node count: the uncounted nodes are in them already
-            return self.share()
-        return share_floor(self.share(), self.total, self.uncounted, self.largest)
+        return share_floor(self.share(), self.total, self.runs(), self.largest, set(self.unbounded))
+
+    def runs(self) -> Counter[str]:
+        """The uncounted nodes' runs per sample, by precision (each once, a Loop's or Scan's body its trips)."""
+        return self.uncounted + self.repeats
 
     def label(self) -> str:
         """The precision the graph computes in: a low precision whose floor holds :data:`MIN_SHARE`, else fp32."""
@@ -142,6 +153,7 @@ class Audit:
             "uncounted_nodes": dict(self.uncounted),
             "uncounted_ops": {op: dict(by) for op, by in sorted(self.uncounted_ops.items())},
             "counted_at": self.sizes,
+            **({"trips_unknown": dict(self.unbounded)} if self.unbounded else {}),
             **(self._behind_dq_record() if self.float_behind_dq else {}),
         }
 
@@ -164,19 +176,37 @@ class Audit:
                 by_op[op] += flops
         return sum(flops for name, _, flops in outside if name in kept), by_op
 
-    def not_counted(self, op: str, precision: str) -> None:
+    def not_counted(self, op: str, precision: str, runs: int | None = 1) -> None:
+        """Record an uncounted node that runs ``runs`` times per sample (None: a number the data decides)."""
         self.uncounted[precision] += 1
         self.uncounted_ops.setdefault(op, Counter())[precision] += 1
+        self.repeats[precision] += 0 if runs is None else runs - 1
+        if runs is None:
+            self.unbounded[precision] += 1
+
+    def basis(self) -> str:
+        """What the shares are of, for a ``method``: the FLOPs, or (none counted) the compute nodes' runs."""
+        return "by FLOPs" if self.total else "by compute node (no FLOPs counted)"
 
 
-def share_floor(share: dict[str, float], total: int, uncounted: Mapping[str, int], largest: int) -> dict[str, float]:
+def share_floor(
+    share: dict[str, float],
+    total: int,
+    uncounted: Mapping[str, int],
+    largest: int,
+    unbounded: Collection[str] = (),
+) -> dict[str, float]:
     """Each precision's least share of the FLOPs: its share of the ``total`` counted, were every uncounted compute
-    node in another precision as large as the ``largest`` counted one. An FP32 attention MatMul whose sizes are not
-    known then weighs against INT8 linear layers, where leaving it out would call the graph "int8 100 %"."""
+    node in another precision as large as the ``largest`` counted one, each time it runs (``uncounted``: their runs
+    per sample by precision). An FP32 attention MatMul whose sizes are not known then weighs against INT8 linear
+    layers, where leaving it out would call the graph "int8 100 %". A node of another precision in a Loop's or
+    Scan's body that runs as often as the data says (its precision in ``unbounded``) could outweigh any share: 0.
+    No FLOPs counted (``total`` 0): ``share`` is of the nodes' runs, and holds but for those."""
+    doubt = {p: any(q != p for q in unbounded) for p in share}
     if not total:
-        return dict(share)
+        return {p: 0.0 if doubt[p] else v for p, v in share.items()}
     against = {p: sum(n for q, n in uncounted.items() if q != p) for p in share}
-    return {p: round(v * total / (total + largest * against[p]), 4) for p, v in share.items()}
+    return {p: 0.0 if doubt[p] else round(v * total / (total + largest * against[p]), 4) for p, v in share.items()}
 
 
 def audit_graph(
@@ -188,21 +218,14 @@ def audit_graph(
     graph is one a runtime has already fused its Q/DQ pairs in (ONNX Runtime's optimized graph, where what it runs in
     integers is a QLinear*/integer op): a float compute op still behind a DequantizeLinear runs in float there. Not
     fused (a graph before its build, TensorRT's input), such an op is the precision it was quantized to."""
-    given = model
     m = load_onnx(model, load_external_data=False) if isinstance(model, Path) else model
     light, _ = light_model(m)
     used = _pin(light, sizes or {})
     with _shaped_as_lstm(light):
         m = infer_shapes(light, strict=False)  # recorded symbolic shapes dropped: inferred at the pinned sizes
-    shapes = _shapes(m)
-    scalars, opset = _scalars(m.graph), _opset(m)
+    opset = _opset(m)
+    shapes, scalars = _sized(model, m, opset, run)
     compute = [n for n in m.graph.node if _is_compute(n)]
-    if any(_flops(n, shapes, scalars, opset) is None for n in compute):
-        shapes = {**_symbolic_shapes(m), **shapes}
-    unsized = _unsized(compute, shapes, scalars, opset, _after_control_flow(m.graph)) if run else []
-    if unsized:
-        shapes = {**_run_shapes(given, m, unsized), **shapes}
-    nested = [(n, owner) for owner, g in _subgraphs(m.graph) for n in g.node if _is_compute(n)]
     graphs = [m.graph, *(g for _, g in _subgraphs(m.graph))]
     types = {v.name: v.type.tensor_type.elem_type for g in graphs for v in [*g.value_info, *g.input, *g.output]}
     types.update({t.name: t.data_type for g in graphs for t in g.initializer})
@@ -211,10 +234,11 @@ def audit_graph(
     weights = {t.name for t in m.graph.initializer} | _transposed(m)
     after = _after_control_flow(m.graph)
     out = Audit(sizes=used)
-    for node, owner in nested:  # runs as many times as its Loop says, or in one branch of an If: not per sample
+    # a node in a body runs as many times as its Loop or Scan says (``runs``), or in one branch of an If
+    for node, owner, runs in _nested(m.graph, shapes, scalars, opset):
         precision = _precision(node, producer, types, inits, fused)
         out.nodes[precision] += 1
-        out.not_counted(f"{node.op_type} (in a {owner})", precision)
+        out.not_counted(f"{node.op_type} (in a {owner})", precision, runs)
     for node in compute:
         precision = _precision(node, producer, types, inits, fused)
         if fused and node.op_type not in INTEGER and _quantized(node, producer, types, inits):
@@ -312,10 +336,17 @@ def _quantized(
 LAYOUT_OPS = {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
 
 
+def _moves_floats(node: onnx.NodeProto) -> bool:
+    """A layout op (:data:`LAYOUT_OPS`) or a Cast to a float type: on float values, it hands on the values it
+    reads, at most rounded to another float type (an FP16 graph's Cast after each DequantizeLinear)."""
+    return node.op_type in LAYOUT_OPS or node.op_type == "Cast" and cast_to(node) in FLOAT_TYPES
+
+
 def _dequantized(name: str, producer: dict[str, onnx.NodeProto]) -> onnx.NodeProto | None:
-    """The DequantizeLinear that ``name`` comes from, through layout ops only (:data:`LAYOUT_OPS`); None where it
-    does not come from one (a float initializer, a computed activation)."""
-    _, node = traced_back(name, producer, lambda n: n.op_type in LAYOUT_OPS)
+    """The DequantizeLinear that ``name`` comes from, through layout ops and Casts to a float type only
+    (:func:`_moves_floats`: a DequantizeLinear's output is float, so each Cast on the way is float to float); None
+    where it does not come from one (a float initializer, a computed activation)."""
+    _, node = traced_back(name, producer, _moves_floats)
     return node if node is not None and node.op_type == "DequantizeLinear" else None
 
 
@@ -324,9 +355,7 @@ def _float_weight(name: str, producer: dict[str, onnx.NodeProto], types: dict[st
     through layout ops (:data:`LAYOUT_OPS`) and Casts to a float type only (weights stored as float16 and cast to
     float are plain float weights; from an integer one, the initializer's type says it is none), with no
     DequantizeLinear on the way."""
-    name, node = traced_back(
-        name, producer, lambda n: n.op_type in LAYOUT_OPS or n.op_type == "Cast" and cast_to(n) in FLOAT_TYPES
-    )
+    name, node = traced_back(name, producer, _moves_floats)
     if node is not None:
         return node.op_type == "Constant"
     return name in inits and types.get(name) in FLOAT_TYPES
@@ -405,26 +434,60 @@ def _fourier_flops(
 
 
 def _einsum_flops(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
-    """An Einsum of two operands: 2 x the product of every index's size (a GEMM's 2 M N K; ``...`` stands for the
-    broadcast axes, aligned from the right). Three operands or more: None (their cost depends on the order the
-    runtime contracts them in)."""
+    """An Einsum's FLOPs in the order of pairwise contractions numpy finds cheapest (its optimal path): 2 x the
+    product of the sizes of every index each contraction reads, summed (two operands: a GEMM's 2 M N K). A runtime
+    that contracts in another order computes about as much or more: an FP32 Einsum of four operands weighs at least
+    this against INT8 layers. None where a shape is unknown or it has more than :data:`EINSUM_MAX_OPERANDS`
+    operands."""
     equation = next((at.s.decode() for at in node.attribute if at.name == "equation"), "").replace(" ", "")
-    terms = equation.split("->")[0].split(",")
-    if len(terms) != 2 or len(node.input) != 2:
+    given, _, out = equation.partition("->")
+    terms = given.split(",")
+    if not 2 <= len(terms) <= EINSUM_MAX_OPERANDS or len(node.input) != len(terms):
         return None
+    operands = [shapes.get(name) for name in node.input]
+    if any(shape is None for shape in operands):
+        return None
+    labelled = _einsum_labels(terms, out if "->" in equation else None, operands)
+    if labelled is None:
+        return None
+    terms, out, sizes = labelled
+    views = [np.broadcast_to(np.float32(0), [sizes[c] for c in term]) for term in terms]
+    path, _ = np.einsum_path(f"{','.join(terms)}->{out}", *views, optimize=("optimal", 2**62))
+    flops = 0
+    for step in path[1:]:  # each step contracts the operands it names into one, appended last
+        read = set().union(*(terms[i] for i in step))
+        terms = [t for i, t in enumerate(terms) if i not in step]
+        kept = set(out).union(*terms)
+        flops += (2 if len(step) > 1 else 1) * prod(sizes[c] for c in read)
+        terms.append("".join(sorted(read & kept)))
+    return flops
+
+
+EINSUM_MAX_OPERANDS = 6  # numpy's optimal path tries every order: quick up to this many operands
+
+
+def _einsum_labels(
+    terms: list[str], out: str | None, shapes: list[list[int]]
+) -> tuple[list[str], str, dict[str, int]] | None:
+    """An Einsum's terms and output with each ``...`` spelt as letters of its own (the broadcast axes, aligned from
+    the right), and each letter's size (a size-1 axis broadcast to the others'); None where a term's rank is not
+    its operand's. An implicit output (no ``->``) is ONNX's: the broadcast axes, then the letters seen once, sorted."""
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in "".join(terms) + (out or "")]
+    rank = max([0, *(len(s) - len(t.replace("...", "")) for t, s in zip(terms, shapes) if "..." in t)])
+    if rank > len(free):
+        return None
+    wide = "".join(free[:rank])
+    spelt = [t.replace("...", wide[rank - (len(s) - len(t.replace("...", ""))) :]) for t, s in zip(terms, shapes)]
     sizes: dict[str, int] = {}
-    for term, name in zip(terms, node.input):
-        shape = shapes.get(name)
-        if shape is None:
+    for term, shape in zip(spelt, shapes):
+        if len(term) != len(shape):
             return None
-        head, _, tail = term.partition("...")
-        broadcast = len(shape) - len(head) - len(tail) if "..." in term else 0
-        labels = [*head, *(f".{i}" for i in range(broadcast, 0, -1)), *tail]
-        if len(labels) != len(shape):
-            return None
-        for label, size in zip(labels, shape):
-            sizes[label] = max(sizes.get(label, 1), size)
-    return 2 * prod(sizes.values())
+        for c, size in zip(term, shape):
+            sizes[c] = max(sizes.get(c, 1), size)
+    if out is None:
+        letters = "".join(spelt)
+        out = wide + "".join(sorted(c for c in set(letters) if letters.count(c) == 1 and c not in wide))
+    return spelt, out.replace("...", wide), sizes
 
 
 def _scalars(graph: onnx.GraphProto) -> dict[str, int]:
@@ -439,6 +502,175 @@ def _scalars(graph: onnx.GraphProto) -> dict[str, int]:
         for name, t in tensors
         if t.data_type in ints and prod(t.dims) == 1 and t.data_location != onnx.TensorProto.EXTERNAL
     }
+
+
+def _sized(
+    given: onnx.ModelProto | Path, pinned: onnx.ModelProto, opset: int, run: bool
+) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """The shapes and integer scalars of ``pinned`` (``given`` with its inputs at the audit's sizes, shapes
+    inferred) that the FLOPs are counted by: onnx's inference, ONNX Runtime's symbolic inference where a compute
+    node's shapes need more, then (``run``) one run of ``given`` for the shapes both leave unknown. A scalar
+    computed from shapes (a DFT's length of twice the sequence's, a Loop's trip count of the sequence length) is
+    folded from them (:func:`_fold`)."""
+    shapes = _shapes(pinned)
+    scalars = {k: v for g in [pinned.graph, *(g for _, g in _subgraphs(pinned.graph))] for k, v in _scalars(g).items()}
+    compute = [n for n in pinned.graph.node if _is_compute(n)]
+    if any(_flops(n, shapes, scalars, opset) is None for n in compute):
+        shapes = {**_symbolic_shapes(pinned), **shapes}
+    plans = {k: v for k in _wanted_scalars(pinned.graph, scalars) if (v := _fold_plan(k, pinned.graph)) is not None}
+    scalars = {**_fold(plans, pinned, shapes), **scalars}
+    plans = {k: v for k, v in plans.items() if k not in scalars}  # a shape they read is not known yet
+    if not run:
+        return shapes, scalars
+    wanted = _unsized(compute, shapes, scalars, opset, _after_control_flow(pinned.graph)) + _scanned(pinned.graph)
+    wanted += [n.input[0] for plan in plans.values() for n in plan if n.op_type in ("Shape", "Size")]
+    if wanted := [w for w in dict.fromkeys(wanted) if w not in shapes]:
+        shapes = {**_run_shapes(given, pinned, wanted), **shapes}
+        scalars = {**_fold(plans, pinned, shapes), **scalars}
+    return shapes, scalars
+
+
+def _wanted_scalars(graph: onnx.GraphProto, scalars: Mapping[str, int]) -> list[str]:
+    """The integer scalars, not constants, that ``graph``'s FLOPs are counted by: a DFT's length and axis, an
+    STFT's frame length, the trip count of a Loop around compute nodes."""
+    out: list[str] = []
+    for node in graph.node:
+        at = {"DFT": (1, 2), "STFT": (3,), "Loop": (0,) if _holds_compute(node) else ()}.get(node.op_type, ())
+        out += [node.input[i] for i in at if i < len(node.input) and node.input[i] and node.input[i] not in scalars]
+    return out
+
+
+def _fold_plan(name: str, graph: onnx.GraphProto) -> list[onnx.NodeProto] | None:
+    """The nodes of ``graph`` that compute ``name`` from the shapes of other tensors (Shape and Size ops, constants,
+    arithmetic on them), in graph order; None where it reads a graph input's values or a Loop's, Scan's or If's
+    output: then it is the data's, not the sizes'."""
+    producer = {o: (i, n) for i, n in enumerate(graph.node) for o in n.output}
+    inputs = {i.name for i in graph.input} - {t.name for t in graph.initializer}
+    todo, nodes = [name], {}
+    while todo:
+        value = todo.pop()
+        if value in inputs:
+            return None
+        index, node = producer.get(value, (-1, None))
+        if node is None or index in nodes:
+            continue
+        if any(at.type == onnx.AttributeProto.GRAPH for at in node.attribute):
+            return None
+        nodes[index] = node
+        todo += [] if node.op_type in ("Shape", "Size") else [i for i in node.input if i]
+    return [nodes[i] for i in sorted(nodes)]
+
+
+def _fold(
+    plans: Mapping[str, list[onnx.NodeProto]], pinned: onnx.ModelProto, shapes: Mapping[str, list[int]]
+) -> dict[str, int]:
+    """The values of the scalars that ``plans`` compute (:func:`_fold_plan`), each Shape or Size op in them read from
+    ``shapes`` (the sizes the audit counts at), evaluated by ONNX's reference runtime; those it cannot give (a shape
+    not known, a weight ``pinned`` holds as a stub) are left out."""
+    out: dict[str, int] = {}
+    inits = {t.name: t for t in pinned.graph.initializer}
+    for name, plan in plans.items():
+        nodes = [_shape_constant(n, shapes) if n.op_type in ("Shape", "Size") else n for n in plan]
+        if any(n is None for n in nodes):
+            continue
+        used = [inits[i] for i in dict.fromkeys(i for n in plan for i in n.input) if i in inits]
+        sub = onnx.helper.make_graph(nodes, "fold", [], [onnx.ValueInfoProto(name=name)], used)
+        try:
+            from onnx.reference import ReferenceEvaluator
+
+            model = onnx.helper.make_model(sub, opset_imports=pinned.opset_import, ir_version=pinned.ir_version)
+            value = np.asarray(ReferenceEvaluator(model).run(None, {})[0])
+        except Exception as exc:  # a helper for counting: what it cannot fold stays uncounted
+            log.debug("folding %s from the graph's shapes failed: %s", name, exc)
+            continue
+        if value.size == 1 and value.dtype.kind in "iu":
+            out[name] = int(value.reshape(-1)[0])
+    return out
+
+
+def _shape_constant(node: onnx.NodeProto, shapes: Mapping[str, list[int]]) -> onnx.NodeProto | None:
+    """A Shape (its ``start``/``end`` slice) or Size node as the Constant it is at ``shapes``; None where its
+    input's shape is not known."""
+    shape = shapes.get(node.input[0])
+    if shape is None:
+        return None
+    if node.op_type == "Size":
+        value = np.array(prod(shape), np.int64)
+    else:
+        start = next((at.i for at in node.attribute if at.name == "start"), 0)
+        end = next((at.i for at in node.attribute if at.name == "end"), len(shape))
+        value = np.array(shape[start:end], np.int64)
+    return onnx.helper.make_node("Constant", [], [node.output[0]], value=numpy_helper.from_array(value))
+
+
+def _nested(
+    graph: onnx.GraphProto,
+    shapes: Mapping[str, list[int]],
+    scalars: Mapping[str, int],
+    opset: int,
+    runs: int | None = 1,
+) -> list[tuple[onnx.NodeProto, str, int | None]]:
+    """Each compute node in a graph nested in ``graph`` (a Loop's or Scan's body, an If's branches, at any depth),
+    with the op that holds it and how many times it runs per sample: ``runs`` times each trip count of the Loops
+    and Scans around it (:func:`_trips`), None where one is not known; an If runs one branch."""
+    out: list[tuple[onnx.NodeProto, str, int | None]] = []
+    for node in graph.node:
+        bodies = [at.g for at in node.attribute if at.name in SUBGRAPHS and at.type == onnx.AttributeProto.GRAPH]
+        if not bodies:
+            continue
+        trips = 1 if node.op_type == "If" else _trips(node, shapes, scalars, opset)
+        inner = None if runs is None or trips is None else runs * trips
+        for body in bodies:
+            out += [(n, node.op_type, inner) for n in body.node if _is_compute(n)]
+            out += _nested(body, shapes, scalars, opset, inner)
+    return out
+
+
+def _trips(node: onnx.NodeProto, shapes: Mapping[str, list[int]], scalars: Mapping[str, int], opset: int) -> int | None:
+    """How many times a Loop or Scan runs its body; None where the data decides. A Loop: its trip count where that
+    is known and its condition cannot stop it sooner (:func:`_runs_to_the_end`). A Scan (opset 9 on): the length
+    of its first scan input along its scan axis."""
+    if node.op_type == "Loop" and node.input and node.input[0] and _runs_to_the_end(node):
+        return scalars.get(node.input[0])
+    scanned = _scanned_input(node)
+    if node.op_type == "Scan" and opset >= 9 and scanned and scanned in shapes:
+        axes = next((list(at.ints) for at in node.attribute if at.name == "scan_input_axes"), [0]) or [0]
+        return shapes[scanned][axes[0] % len(shapes[scanned])]
+    return None
+
+
+def _runs_to_the_end(loop: onnx.NodeProto) -> bool:
+    """Whether a Loop runs all its trips: it takes no condition (its body's is then ignored), or its body hands the
+    condition on unchanged (through Identity ops) or sets it to a constant true (a ``for`` loop's export)."""
+    if len(loop.input) < 2 or not loop.input[1]:
+        return True
+    body = next(at.g for at in loop.attribute if at.name == "body")
+    producer = {o: n for n in body.node for o in n.output}
+    name, node = traced_back(body.output[0].name, producer, lambda n: n.op_type == "Identity")
+    if node is None:
+        return name == body.input[1].name
+    value = next((at.t for at in node.attribute if at.name == "value"), None) if node.op_type == "Constant" else None
+    return value is not None and bool(numpy_helper.to_array(value).all())
+
+
+def _scanned_input(node: onnx.NodeProto) -> str | None:
+    """A Scan's first scan input (after its state inputs), whose scan axis gives its trip count; None for another
+    op."""
+    if node.op_type != "Scan":
+        return None
+    scanned = len(node.input) - next((at.i for at in node.attribute if at.name == "num_scan_inputs"), 0)
+    return node.input[scanned] if scanned < len(node.input) else None
+
+
+def _scanned(graph: onnx.GraphProto) -> list[str]:
+    """The first scan inputs of ``graph``'s Scans that hold compute nodes: their trip counts' tensors."""
+    return [x for n in graph.node if _holds_compute(n) and (x := _scanned_input(n))]
+
+
+def _holds_compute(node: onnx.NodeProto) -> bool:
+    """Whether a compute node is in ``node``'s subgraphs, at any depth."""
+    bodies = [at.g for at in node.attribute if at.type == onnx.AttributeProto.GRAPH]
+    return any(_is_compute(n) for b in bodies for g in [b, *(g for _, g in _subgraphs(b))] for n in g.node)
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -608,14 +840,15 @@ def engine_audit(
         rest = "fp16"  # the torch engine runs the rest of the model in float16 (kiln.stages.engines.torch.lowbit)
         low = src.weight_flops * (1.0 if lowbit_share is None else lowbit_share) / src.total if src.total else 0.0
         share = {declared: round(low, 4), rest: round(1 - low, 4)} if src.total else {}
-        floor = share_floor(share, src.total, {rest: sum(src.uncounted.values())}, src.largest)  # none swapped
+        runs, unbounded = {rest: sum(src.runs().values())}, [rest] if src.unbounded else []  # none swapped
+        floor = share_floor(share, src.total, runs, src.largest, unbounded)
         method = f"declared by the builder: the linear layers it swapped in {declared.upper()}, the rest {rest}"
         return {**record, "share": share, "share_floor": floor, "method": method}
     if declared is not None:
         whole = {declared: 1.0}
         return {**record, "share": whole, "share_floor": whole, "method": "declared by the builder (dtype)"}
     if engine_graph is None:
-        return {**record, "method": "source graph"}
+        return {**record, "method": "source graph" if src.total else f"source graph, {src.basis()}"}
     ran = audit_graph(_as_fused(engine_graph), sizes, fused=True)
     if ran.float_behind_dq:  # the source graph's count of them too, where the engine graph's FLOPs fall short
         _floated(src, ran.float_behind_dq)
@@ -628,19 +861,22 @@ def engine_audit(
     if any(ran.nodes[p] and not src.nodes[p] for p in LOW):  # converted at build: only the engine's graph knows
         whole = sum(ran.nodes.values())
         share = {p: round(ran.nodes[p] / whole, 4) for p in (*LOW, "fp32") if ran.nodes[p]}
+        floor = share_floor(share, 0, {}, 0, set(ran.unbounded))  # a body run as often as the data says: in doubt
         method = "engine graph, by compute node (converted at build)"
-        return {**record, "share": share, "share_floor": share, "share_covers_nodes": 1.0, "method": method}
+        return {**record, "share": share, "share_floor": floor, "share_covers_nodes": 1.0, "method": method}
     gone = [p for p in LOW if not ran.nodes[p]]
     share, uncounted = _as_fp32(record["share"], gone), _as_fp32(src.uncounted, gone)
+    runs, unbounded = _as_fp32(src.runs(), gone), set(_as_fp32(src.unbounded, gone))
     ops = {op: _as_fp32(by, gone) for op, by in record["uncounted_ops"].items()}
-    floor = share_floor(share, src.total, uncounted, src.largest) if src.total else share
-    method = "source graph by FLOPs, checked against the engine graph"
+    floor = share_floor(share, src.total, runs, src.largest, unbounded)
+    method = f"source graph {src.basis()}, checked against the engine graph"
     return {
         **record,
         "share": share,
         "share_floor": floor,
         "uncounted_nodes": uncounted,
         "uncounted_ops": ops,
+        **({"trips_unknown": _as_fp32(src.unbounded, gone)} if src.unbounded else {}),
         "method": method,
     }
 
@@ -797,18 +1033,22 @@ def _knobs(label: str) -> str:
 def _unsized_problem(audit: dict[str, Any], label: str, share: float, floor: float) -> str:
     """The refusal of a ``label`` that only the compute nodes not sized put in doubt, led by what is certain: how
     many compute nodes run in ``label``, how many in another precision could not be sized and which ops they are;
-    the share of the FLOPs counted (``share``, which leaves them out) only beside its ``floor``."""
+    the share of the FLOPs counted (``share``, which leaves them out; of the nodes' runs where no FLOPs are) only
+    beside its ``floor``, and how those nodes were weighed."""
     nodes = audit.get("compute_nodes") or {}
     by_op = {op: sum(n for p, n in by.items() if p != label) for op, by in (audit.get("uncounted_ops") or {}).items()}
     others = {p: n for p, n in (audit.get("uncounted_nodes") or {}).items() if p != label and n}
     ops = ", ".join(_op_count(op, n) for op, n in sorted(by_op.items(), key=lambda kv: -kv[1]) if n)
     unsized = sum(others.values())
+    counted = "the FLOPs counted" if audit.get("flops_per_sample") else "the compute nodes' runs (no FLOPs counted)"
+    weighed = "each weighed as the largest node counted" if audit.get("flops_per_sample") else "each run as one"
+    if any(n for p, n in (audit.get("trips_unknown") or {}).items() if p != label):
+        weighed += "; a Loop's or Scan's body of no known trip count runs as many times as the data says"
     return (
         f"labelled {label}, {nodes.get(label, 0)} of its {sum(nodes.values())} compute nodes "
         f"{'runs' if nodes.get(label, 0) == 1 else 'run'} in {label} and "
         f"{unsized} in {'/'.join(sorted(others))} could not be sized{f' ({ops})' if ops else ''}: {share:.0%} of "
-        f"the FLOPs counted run in {label}, as little as {floor:.0%} with those {unsized} (each weighed as the "
-        f"largest node counted; {audit.get('method')})"
+        f"{counted} run in {label}, as little as {floor:.0%} with those {unsized} ({weighed}; {audit.get('method')})"
     )
 
 
