@@ -44,7 +44,7 @@ from kiln.stages.precision.stage import (
     failure_hint,
     variant_record,
 )
-from kiln.stages.precision.variants import Source
+from kiln.stages.precision.variants import Source, carried_precision
 
 log = logging.getLogger("kiln.precision")
 RANDOM_OFF_HINT = f"give real inputs, --calibration FILE.npz (one array per input): {RANDOM_OFF}"
@@ -65,6 +65,7 @@ def precision_direct(
     graph = load_onnx(src)
     check_tensor_io(graph, str(src))
     refuse_low_precision(graph, str(src), "kiln precision")
+    carried = carried_precision(graph)  # quantized or float16 in part: every variant but FP32 is left out
     inputs, outputs = io_specs(graph)
     ccfg, pcfg = cfg.calibration, cfg.precision.model_copy(deep=True)
     if calibration is not None:
@@ -93,6 +94,7 @@ def precision_direct(
     names = [o.name for o in outputs]
     logits = direct_top1(names, cfg.signature.logits_output)
     wanted = list(dict.fromkeys(["fp32", *variants]))  # the FP32 graph is what calibration and the gates measure
+    left: dict[str, KilnError] = dict(carried.left_out(wanted)) if carried is not None else {}
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         source_graph = Source.prepare(
@@ -106,8 +108,19 @@ def precision_direct(
         check = shapes_check(source_graph.model, x_val, axes, sizes, logits, cfg, shown)
         off = None if calibration is not None else RANDOM_OFF_HINT
         built, failed = build_variants(
-            source_graph, out, wanted, pcfg, ccfg, check, SilentProgress(), log, sizes, variants, off
+            source_graph,
+            out,
+            [p for p in wanted if p not in left],
+            pcfg,
+            ccfg,
+            check,
+            SilentProgress(),
+            log,
+            sizes,
+            variants,
+            off,
         )
+    failed = {**left, **failed}
     for name, entry in built.items():  # no graph of it any engine can read: not made, here
         if entry.get("unmade") and not entry.get("backend_paths"):
             failed[name] = ModelError(entry["unmade"], hint=entry.get("unmade_hint", TOO_LITTLE_HINT))
@@ -191,7 +204,8 @@ def _shown(out: Path, entry: dict[str, Any]) -> dict[str, Any]:
     graph = entry["ort_cpu"] if only else entry
     return {
         "path": str(out / (next(iter(only.values())) if only else entry["path"])),
-        "kept_fp32": len(graph["kept_fp32"]),
+        # with the compute nodes inside control-flow bodies, which quantization leaves in float
+        "kept_fp32": len(graph["kept_fp32"]) + len(entry.get("unreached") or {}),
         "only": next(iter(only)) if only else None,
         **(graph.get("vs_fp32") or {}),
     }

@@ -6,6 +6,7 @@ LayerNorm written out as elementwise ops, long reductions, tensors out of FP16 r
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 
@@ -13,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from kiln.core.errors import ConfigError
 from kiln.stages.precision.casts import FLOAT_ONNX
 from kiln.stages.precision.config import FP16Config
 
@@ -75,6 +77,22 @@ def select_fp32_nodes(
         for name, reason in activation_range_violations(model, activation_amax or {}, cfg.range_limit).items():
             keep.setdefault(name, reason)
     return keep
+
+
+def check_fp32_nodes(model: onnx.ModelProto, cfg: FP16Config) -> None:
+    """Names in ``fp16.fp32_nodes`` that the graph does not have are one error, with the closest real names, as
+    for ``calibration.exclude_nodes``: a typo would otherwise keep nothing in FP32, silently."""
+    nodes = [n.name for n in model.graph.node]
+    known = set(nodes)
+    wrong = [name for name in cfg.fp32_nodes if name not in known]
+    if wrong:
+        raise ConfigError(
+            "; ".join(
+                f"precision.fp16.fp32_nodes names node '{name}', which the graph does not have" for name in wrong
+            ),
+            hint="use names the graph has; closest: "
+            + "; ".join(f"'{name}' -> {', '.join(difflib.get_close_matches(name, nodes, 3, 0))}" for name in wrong),
+        )
 
 
 def unconvertible_ops(model: onnx.ModelProto) -> dict[str, str]:

@@ -40,6 +40,7 @@ from kiln.stages.precision.config import PrecisionConfig
 from kiln.stages.precision.declaration import PrecisionSettings, PrecisionSummary
 from kiln.stages.precision.emulate import emulate_fp16
 from kiln.stages.precision.fallback import round_notes
+from kiln.stages.precision.fp16_select import check_fp32_nodes
 from kiln.stages.precision.gate import GateCheck, session_runner
 from kiln.stages.precision.node_errors import (
     DIVERGENCE,
@@ -50,7 +51,15 @@ from kiln.stages.precision.node_errors import (
 )
 from kiln.stages.precision.provenance import torch_modules
 from kiln.stages.precision.report import vs_fp32_text
-from kiln.stages.precision.variants import Source, build_fp8, build_fp16, build_int8
+from kiln.stages.precision.variants import (
+    Carried,
+    NotMade,
+    Source,
+    build_fp8,
+    build_fp16,
+    build_int8,
+    carried_precision,
+)
 
 
 def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
@@ -68,11 +77,15 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     converted = converted or [p for p in wanted if p == "fp32"]
     data = ctx.dataset()
     graph = load_onnx(ctx.inputs["optimize"] / "model.onnx")
+    carried = carried_precision(graph)  # a QAT model's own Q/DQ pairs: its low variant is the graph as it is
+    left = left_out(carried, wanted, converted, ctx.log)
+    as_given = carried.low if carried is not None and carried.low in converted else None
+    made = [p for p in converted if p not in left and p != as_given]
     inputs, outputs = io_specs(graph)
     names = [i.name for i in inputs]  # the export's order: the data's inputs in call order
     # FP8/INT8 engines of the torch backend calibrate the PyTorch model on the same batches, saved for the build
     lowbit = bool({"fp8", "int8"} & set(wanted))
-    needs_data = "int8" in converted or ("fp16" in converted and cfg.fp16.range_check) or lowbit
+    needs_data = "int8" in made or ("fp16" in made and cfg.fp16.range_check) or lowbit
     # at most the rows a call reads (a batch-of-one graph network reads row 0 only): every calibration row is read
     limit = batch_limit(ctx.config.signature.batch_sizes, inputs, outputs)
     batches = calibration_batches(data, ccfg, ctx.config.seed, names, inputs, limit) if needs_data else []
@@ -85,7 +98,8 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         # The FP32 variant is the optimized graph with every node named and shapes inferred: the names are
         # how kept nodes are reported, and the same file is what calibration hashes for its cache key.
-        kept = "fp32" in wanted or converted != wanted  # unconverted variants point at the FP32 graph
+        # unconverted variants point at the FP32 graph
+        kept = ("fp32" in wanted and "fp32" not in left) or converted != wanted
         fp32_path = ctx.out / "fp32" / "model.onnx" if kept else Path(tmp) / "fp32.onnx"
         src = Source.prepare(
             graph,
@@ -95,12 +109,12 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
             logits_index,
         )
         cache_dir = src.cache_dir if ccfg.cache else None
-        check = held_out_check(ctx, data, src, inputs) if set(converted) - {"fp32"} else None
+        check = held_out_check(ctx, data, src, inputs) if set(made) - {"fp32"} else None
         off = f"give data.name, a data function of real inputs: {RANDOM_OFF}; or drop it from precision.variants"
         variants, errors = build_variants(
             src,
             ctx.out,
-            converted,
+            made,
             cfg,
             ccfg,
             check,
@@ -111,12 +125,15 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
             off if random else None,
             required=cfg.required,
         )
+        if carried is not None and as_given is not None:
+            variants[as_given] = carried.as_given(src, ctx.out / as_given / "model.onnx")
+        errors = {**left, **errors}
         failed = {p: e.message for p, e in errors.items()}
         x_val = check.samples if check is not None else {}
         modules = torch_modules(src.model, *_export_graph(ctx))
         node_report = (
             _node_error_report(ctx, src, variants, x_val, modules)
-            if cfg.node_errors and set(variants) - {"fp32"}
+            if cfg.node_errors and check is not None and set(variants) - {"fp32"}
             else {}
         )
     for precision in wanted:
@@ -139,8 +156,9 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     ).write(ctx.out / "variants.json")
     summary = {
         v: {
-            "kept_fp32": len(e["kept_fp32"]),
-            "kept_fp32_nodes": e["reasons"],
+            # with the compute nodes inside control-flow bodies, which quantization leaves in float
+            "kept_fp32": len(e["kept_fp32"]) + len(e.get("unreached") or {}),
+            "kept_fp32_nodes": {**e["reasons"], **(e.get("unreached") or {})},
             "kept_fp32_modules": e["kept_fp32_modules"],
             **(e.get("vs_fp32") or {}),
             "fallback_passed": e.get("fallback", {}).get("passed", True),
@@ -159,6 +177,31 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
         **node_report,
         calibration_cache=str(cache_dir / "calibration") if cache_dir else None,
     )
+
+
+def left_out(
+    carried: Carried | None, wanted: list[str], converted: list[str], log: logging.Logger
+) -> dict[str, KilnError]:
+    """The ``converted`` variants a graph that carries a low precision of its own (:class:`Carried`) is not made
+    into, each with why: beside a QAT model's INT8 variant, which is the graph as exported, the others (said at
+    info, as the outcome asked for); beside an FP32 graph quantized or in float16 in part, every one but FP32 (a
+    warning each, where a variant goes on; else the run's error says it). A graph already low in a precision
+    ``wanted`` (precision.variants) leaves out is refused: every variant of it would be mislabelled."""
+    if carried is None:
+        return {}
+    carried.refuse_without_low(wanted)
+    left: dict[str, KilnError] = dict(carried.left_out(converted))
+    if carried.low is not None and carried.low in converted:
+        log.info(
+            "%s: its %s variant is the graph as exported%s",
+            carried.said,
+            carried.low,
+            f"; {', '.join(left)} left out (that {carried.low} graph, mislabelled)" if left else "",
+        )
+    elif set(converted) - set(left):
+        for exc in left.values():
+            log.warning("%s; the other variants go on", exc.message)
+    return left
 
 
 def save_samples(
@@ -212,6 +255,8 @@ def build_variants(
     outside a run, where the command's own error names it)."""
     if {"int8", "fp8"} & set(wanted):  # the Q/DQ variants keep what calibration.exclude_* name in float
         check_exclusions(src.model, ccfg)
+    if "fp16" in wanted:  # a name fp16.fp32_nodes gives that the graph lacks would keep nothing in FP32
+        check_fp32_nodes(src.model, cfg.fp16)
     largest = {k: max(v) for k, v in (sizes or {}).items() if v}
     hint = UNMADE_HINT if cfg.fallback.enabled else off_hint or FALLBACK_OFF_HINT
     variants: dict[str, Any] = {}
@@ -246,12 +291,6 @@ def build_variants(
                 _log_variant(log, precision, variants[precision])
             bar.advance(1, note=precision)
     return variants, failed
-
-
-class NotMade(ModelError):
-    """A variant that no fallback round got through the gates its engines face: an outcome of its check, not a
-    failure of its build, so beside variants that go on it is a warning (a run passes without it unless
-    precision.required names it)."""
 
 
 def _log_dropped(log: logging.Logger, precision: str, exc: KilnError, required: Collection[str] | None) -> None:
@@ -348,7 +387,8 @@ def mark_too_little(
             return None
         why, hint = too_little(audit, precision, kept, quantized)
         return (
-            f"{label} not made: {share:.0%} of its FLOPs run in {precision} ({why}), under the {MIN_SHARE:.0%} an "
+            f"{label} not made: {share:.0%} of its {'FLOPs' if audit.total else 'compute node runs'} run in "
+            f"{precision} ({why}), under the {MIN_SHARE:.0%} an "
             f"engine labelled {precision} must run (the precision audit)",
             hint,
         )
@@ -589,8 +629,17 @@ def _node_error_report(
 
 def _log_variant(log: logging.Logger, precision: str, entry: dict[str, Any]) -> None:
     vs = entry.get("vs_fp32") or {}
+    inside = entry.get("unreached") or {}  # compute nodes in control-flow bodies: float, though no fallback kept them
     if vs:
-        log.info("%s vs FP32 graph: %s, %d nodes kept FP32", precision, vs_fp32_text(vs), len(entry["kept_fp32"]))
+        kept = len(entry["kept_fp32"]) + len(inside)
+        log.info("%s vs FP32 graph: %s, %d nodes kept FP32", precision, vs_fp32_text(vs), kept)
+    if inside:
+        log.warning(
+            "%s: %d compute nodes stay FP32 inside control-flow bodies, which quantization does not reach: %s",
+            precision,
+            len(inside),
+            ", ".join(list(inside)[:4]) + (", ..." if len(inside) > 4 else ""),
+        )
     if entry.get("unmade"):  # the graph at "path" stays in its folder, where kiln build refuses it
         log.warning(
             "%s; its graph is kept for inspection as %s beside variants.json, which lists it unmade: no engine is "

@@ -7,6 +7,8 @@ import functools
 import logging
 import shutil
 import tempfile
+from collections import Counter
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +34,20 @@ from kiln.calibration.quantize import (
 )
 from kiln.calibration.ranges import Ranges, calibrate
 from kiln.calibration.trt_table import write_trt_table
-from kiln.core.errors import InputError
+from kiln.core.errors import InputError, ModelError
 from kiln.core.onnx_io import infer_shapes, save_onnx
 from kiln.stages.optimize.api import optimize_record
-from kiln.stages.precision.audit import MIN_SHARE, audit_graph, compute_precisions, flops_by_op
+from kiln.stages.precision.audit import (
+    COMPUTE,
+    FP32_HINT,
+    INTEGER,
+    LOW,
+    MIN_SHARE,
+    Audit,
+    audit_graph,
+    compute_precisions,
+    flops_by_op,
+)
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.emulate import emulate_fp16
@@ -91,6 +103,176 @@ class Source:
             symmetric=ccfg.symmetric_activations,
             percentile=ccfg.percentile,
         )
+
+
+class NotMade(ModelError):
+    """A variant that no fallback round got through the gates its engines face, or that its quantization cannot
+    reach: an outcome of the graph, not a failure of its build, so beside variants that go on it is a warning (a
+    run passes without it unless precision.required names it)."""
+
+
+QDQ = ("QuantizeLinear", "DequantizeLinear")
+HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+@dataclass(frozen=True)
+class Carried:
+    """The low precision a graph brings with it before Kiln converts it: a QAT or fake-quant model's own Q/DQ pairs
+    or integer ops, or float16 weights. ``low``: the precision it computes in by the audit's label (at least
+    :data:`MIN_SHARE` of its FLOPs, the rule the build judges an engine's label by); None where only a part of it is
+    low. ``found``: what shows it in the graph, as a user looks it up; ``share``: its FLOPs by precision;
+    ``quantized``: Q/DQ nodes or integer ops are among it; ``half``: its float16 weights."""
+
+    low: str | None
+    found: str
+    share: dict[str, float]
+    quantized: bool
+    half: int
+
+    @property
+    def said(self) -> str:
+        """What the graph carries, in words: whose quantization, what was found and how much of it computes low."""
+        shares = [f"{v:.0%} of its FLOPs in {p}" for p, v in self.share.items() if p != "fp32"]
+        what = f"{self.found}; {', '.join(shares)}" if shares else self.found
+        if self.low is None:
+            return f"the graph is {'quantized' if self.quantized else 'in float16'} in part already ({what})"
+        if self.quantized:
+            return f"the model carries its own quantization ({what})"
+        return f"the model computes in {self.low} already ({what})"
+
+    def left_out(self, wanted: Collection[str]) -> dict[str, NotMade]:
+        """The variants of ``wanted`` not made from this graph, each with why and the fix: beside ``low`` (made as
+        the graph is), every other one; where only a part is low, every one but FP32, which computes as it did."""
+        kept = {self.low} if self.low else {"fp32"}
+        return {
+            p: NotMade(f"{p} not made: {self.said}; {self._why(p)}", hint=self._fix()) for p in wanted if p not in kept
+        }
+
+    def _why(self, precision: str) -> str:
+        """Why ``precision`` is not made from this graph."""
+        if self.low and precision in ("fp32", "fp16"):
+            return f"an {precision} variant would be that {self.low} graph labelled {precision}"
+        if precision == "fp16":
+            if self.half:
+                return "onnxconverter-common refuses to convert a graph already in float16"
+            return "FP16 conversion cannot convert its Q/DQ nodes, whose scales stay float32"
+        if self.quantized:
+            return f"{precision.upper()} quantization would add Q/DQ pairs of its own beside these, quantizing twice"
+        return f"{precision.upper()} quantization takes float32 tensors: its float16 weights make an invalid graph"
+
+    def _fix(self) -> str:
+        """The fix for a variant not made: the model without its own low precision, from which Kiln makes every
+        variant (one fix for all of them, said once)."""
+        if self.low is None:
+            return FP32_HINT
+        own = "quantization (no prepare_qat, no torch.fake_quantize_* in forward)" if self.quantized else "float16"
+        return (
+            f"none needed for its {self.low} engines, whose variant is the graph as exported; for engines of other "
+            f"precisions give Kiln the model without its own {own}: Kiln makes every variant from the FP32 model"
+        )
+
+    def refuse_without_low(self, wanted: Collection[str]) -> None:
+        """Refuse a run whose ``wanted`` variants (precision.variants) leave out the precision the graph computes in:
+        every variant it could make would be that graph mislabelled."""
+        if self.low is None or self.low in wanted:
+            return
+        own = "fake-quant (prepare_qat, torch.fake_quantize_*)" if self.quantized else "float16"
+        raise ModelError(
+            f"{self.said}: the graph is already {self.low}, and precision.variants ({', '.join(wanted)}) has no "
+            f"{self.low}",
+            hint=f"add {self.low} to precision.variants (its {self.low} variant is the graph as exported), or train "
+            f"the model without {own} for {'/'.join(p for p in wanted if p != self.low)} variants",
+        )
+
+    def as_given(self, src: Source, out: Path) -> dict[str, Any]:
+        """The ``low`` variant: the graph as exported (nodes named, shapes inferred) at ``out``, neither calibrated nor
+        converted again; its note says so in the report."""
+        save_onnx(src.model, out)
+        note = f"{self.said}: the graph as exported, neither calibrated nor converted again"
+        carried = {"found": self.found, "share": self.share}
+        return {
+            "path": f"{out.parent.name}/{out.name}",
+            "kept_fp32": [],
+            "reasons": {},
+            "graph": note,
+            "carried": carried,
+        }
+
+
+def carried_precision(model: onnx.ModelProto) -> Carried | None:
+    """What low precision ``model`` carries (:class:`Carried`), read as the precision audit reads engines (Q/DQ
+    nodes, integer ops, float16 tensors, and the share of the FLOPs each precision computes); None: it computes in
+    FP32 alone, as an export of an FP32 model does. Audited only where some Q/DQ node, integer op or float16 tensor
+    is there."""
+    graphs = [model.graph, *(g for _, g in _bodies(model.graph))]
+    ops = Counter(n.op_type for g in graphs for n in g.node)
+    half = sum(t.data_type in HALF for g in graphs for t in g.initializer)
+    integer = {op: ops[op] for op in sorted(INTEGER) if ops[op]}
+    quantized = bool(ops[QDQ[0]] or ops[QDQ[1]] or integer)
+    to_half = any(n.op_type == "Cast" and _cast_to(n) in HALF for g in graphs for n in g.node)
+    if not (quantized or half or to_half):
+        return None
+    audit = audit_graph(model, run=False)
+    if audit.label() == "fp32" and any(audit.uncounted[p] for p in LOW):  # nodes sized only by a run may be low
+        audit = audit_graph(model)
+    if not (quantized or half or any(audit.nodes[p] for p in LOW)):
+        return None
+    low = audit.label()
+    found = _found(ops, integer, half, audit)
+    return Carried(None if low == "fp32" else low, found, audit.share(), quantized, half)
+
+
+def _found(ops: Counter[str], integer: dict[str, int], half: int, audit: Audit) -> str:
+    """What makes a graph low, as a user finds it: its Q/DQ nodes (in pairs where they pair), integer ops, float16
+    weights, else its compute nodes on float16 tensors."""
+    q, dq = ops[QDQ[0]], ops[QDQ[1]]
+    parts = [f"{q} Q/DQ pair{'s' if q > 1 else ''}"] if q and q == dq else []
+    if q != dq:
+        parts.append(" and ".join(f"{n} {op}" for op, n in zip(QDQ, (q, dq)) if n) + " nodes")
+    parts += [f"{n} {op}" for op, n in integer.items()]
+    if half:
+        parts.append(f"{half} float16 weight{'s' if half > 1 else ''}")
+    return ", ".join(parts) or f"{audit.nodes['fp16']} compute nodes on float16 tensors"
+
+
+def _cast_to(node: onnx.NodeProto) -> int | None:
+    return next((a.i for a in node.attribute if a.name == "to"), None)
+
+
+def _bodies(graph: onnx.GraphProto) -> Iterator[tuple[onnx.NodeProto, onnx.GraphProto]]:
+    """Each Loop, Scan and If body in ``graph`` (nested ones too), with the node that owns it."""
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                yield node, sub
+                yield from _bodies(sub)
+
+
+def unreached(model: onnx.ModelProto, ops: Collection[str], precision: str) -> dict[str, str]:
+    """The compute nodes of op types ``ops`` inside Loop, Scan and If bodies, named ``<owner>/<node>``, each with why
+    it stays float: ONNX Runtime's quantizers, as Kiln calls them (static Q/DQ and dynamic alike), quantize the main
+    graph only. Raises :class:`NotMade` where those nodes are all the graph's compute of those op types: no
+    ``precision`` variant would compute any of it in ``precision``."""
+    compute = set(ops) & COMPUTE
+    inside = {
+        f"{owner.name or owner.op_type}/{n.name or f'{n.op_type}_{i}'}": (n.op_type, owner.op_type)
+        for owner, body in _bodies(model.graph)
+        for i, n in enumerate(body.node)
+        if n.op_type in compute
+    }
+    if not inside:
+        return {}
+    owners = sorted({owner for _, owner in inside.values()})
+    bodies = f"a {owners[0]} body" if len(owners) == 1 else f"{' and '.join(owners)} bodies"
+    reach = f"which {precision.upper()} quantization does not reach"
+    if not any(n.op_type in compute for n in model.graph.node):
+        counts = Counter(op for op, _ in inside.values())
+        raise NotMade(
+            f"{precision} not made: its compute nodes ({', '.join(f'{op} x{n}' for op, n in counts.most_common())}) "
+            f"are inside {bodies}, {reach}",
+            hint=f"leave {precision} out of precision.variants",
+        )
+    return {name: f"inside a {owner} body, {reach}: computes in float" for name, (_, owner) in inside.items()}
 
 
 def _float_nodes(model: onnx.ModelProto) -> set[str]:
@@ -153,15 +335,20 @@ def build_int8(
 ) -> dict[str, Any]:
     """INT8 Q/DQ graph at ``out`` from cached calibration ranges, plus the TensorRT 10 calibration table. A graph
     older than per-channel Q/DQ is quantized from a raised copy (:func:`per_channel_graph`), judged against the
-    FP32 graph as it came."""
+    FP32 graph as it came. Compute nodes inside Loop, Scan and If bodies stay float (:func:`unreached`, listed under
+    ``unreached``); a graph with all of them there is no INT8 variant."""
+    inside = unreached(src.model, quantizable_op_types(ccfg), "int8")
     raised, ccfg = per_channel_graph(src.model, ccfg)
     if raised is None:
-        return _build_int8(src, out, ccfg, fallback, as_check(src, x_val))
-    with tempfile.TemporaryDirectory(prefix="kiln-int8-") as tmp:
-        copy = Source.prepare(raised, Path(tmp) / "model.onnx", src.batches, src.cache_dir, src.logits, src.labelled)
-        entry = _build_int8(copy, out, ccfg, fallback, as_check(src, x_val))
-    entry["calibration"]["opset"] = PER_CHANNEL_OPSET
-    return entry
+        entry = _build_int8(src, out, ccfg, fallback, as_check(src, x_val))
+    else:
+        with tempfile.TemporaryDirectory(prefix="kiln-int8-") as tmp:
+            copy = Source.prepare(
+                raised, Path(tmp) / "model.onnx", src.batches, src.cache_dir, src.logits, src.labelled
+            )
+            entry = _build_int8(copy, out, ccfg, fallback, as_check(src, x_val))
+        entry["calibration"]["opset"] = PER_CHANNEL_OPSET
+    return {**entry, "unreached": inside} if inside else entry
 
 
 def _build_int8(
@@ -446,7 +633,8 @@ def build_fp8(
     src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig, x_val: Samples | GateCheck
 ) -> dict[str, Any]:
     """FP8 (E4M3) Q/DQ graph at ``out`` for TensorRT, max-calibrated (:func:`kiln.calibration.quantize.quantize_fp8`),
-    judged and fallen back like INT8's."""
+    judged and fallen back like INT8's, compute nodes inside control-flow bodies as INT8's (:func:`unreached`)."""
+    inside = unreached(src.model, quantizable_op_types(ccfg), "fp8")
     ranges = src.ranges("minmax", ccfg)  # max calibration: each activation's scale from its largest magnitude
     base = _kept_before_fallback(src.model, ccfg, ranges)
     info: dict[str, Any] = {}
@@ -460,7 +648,7 @@ def build_fp8(
     res = _in_precision(run_fallback(build, as_check(src, x_val), "fp8", fallback, candidates, "fp8"), out, "fp8")
     calibration = {"method": "minmax", "cache_key": ranges.key, "cache_hit": ranges.cache_hit}
     calibration |= {"batches": len(src.batches), "qdq_nodes": info.get("qdq_nodes"), "opset": info.get("opset")}
-    return _entry(out, base | res.kept, res, {"calibration": calibration})
+    return _entry(out, base | res.kept, res, {"calibration": calibration, **({"unreached": inside} if inside else {})})
 
 
 def _in_precision(res: FallbackResult, path: Path, precision: str) -> FallbackResult:
