@@ -64,6 +64,9 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
         report["error"] = str(result.error)
     if validation and _random_data(config):
         report["inputs"] = inputs_record(None)
+    higher = config.section("validate").metric_higher_is_better  # the direction its metric gate took
+    if validation and higher is not None:
+        report["metric_higher_is_better"] = higher
     if validation:
         report["validation"] = {
             k: validation[k]
@@ -121,7 +124,12 @@ def validation_of(report: dict[str, Any]) -> ValidationResult | None:
 
 def result_line(report: dict[str, Any]) -> str:
     """PASSED / FAILED, and which engines were built but could not be validated on this machine: a pass that
-    covers only some engines must say so where the verdict is read, not only in a table cell."""
+    covers only some engines must say so where the verdict is read, not only in a table cell. A run that ended well
+    without a validation of this configuration (a one-stage command after a change, `--until build`) says what it
+    did and that nothing validated it (:func:`_unvalidated`), not PASSED."""
+    unvalidated = _unvalidated(report)
+    if unvalidated is not None:
+        return unvalidated
     verdict = "PASSED" if report["ok"] else "FAILED"
     engines = (report.get("validation") or {}).get("engines", [])
     unchecked = [e for e in engines if e.get("status") != "validated"]
@@ -138,6 +146,20 @@ def result_line(report: dict[str, Any]) -> str:
         )
     missing = [*_missing_precisions(report, engines), *_unmade_graph_engines(report, engines)]
     return verdict + "".join(f"; {why}" for why in missing)
+
+
+def _unvalidated(report: dict[str, Any]) -> str | None:
+    """The result line of a run that ended without error and without a current validation: the stages it did, and
+    that validation is out of date (made with other settings or inputs: stale) or not made yet. None where the
+    report has a validation, or the run failed, or it names no stages (a report of before their statuses)."""
+    stages = report.get("stages") or {}
+    if not report["ok"] or report.get("validation") or not stages:
+        return None
+    done = [n for n, s in stages.items() if s.get("status") in ("ran", "cached", "skipped")]
+    did = f"{', '.join(done)} done; " if done else ""
+    if stages.get("validate", {}).get("status") == "stale":
+        return f"{did}validation out of date (made with other settings or inputs): run `kiln run` to validate again"
+    return f"{did}not validated yet: run `kiln run` to validate the engines"
 
 
 def _missing_precisions(report: dict[str, Any], engines: list[dict[str, Any]]) -> list[str]:
@@ -295,7 +317,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         ]
     validation = validation_of(report)
     if validation is not None:  # the verdict first, then each stage's own section in pipeline order
-        lines += validate_section(validation)
+        lines += validate_section(validation, report.get("metric_higher_is_better"))
         if report.get("inputs", {}).get("kind") == "random":
             lines += ["", f"**Inputs: {report['inputs']['note']}** (give data.name for real ones)."]
     for stage in STAGES:

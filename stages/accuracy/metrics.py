@@ -12,7 +12,8 @@ is the number its user judges an engine by.
 The drop is in the metric's own units (a share in [0, 1]: 0.01 is one point), except for an error metric, whose
 units are the targets' (MSE's are their square: targets in the thousands give an MSE in the millions, where any
 fixed allowance is rounding noise or none at all): there it is the rise over the targets' spread in the metric's
-units (:func:`scaled_by`: an MSE's over their variance, R^2 points), else over the reference's value,
+units (:func:`scaled_by`: an MSE's over their variance, R^2 points; over the reference's own value where that is
+larger, a reference worse than the targets' mean), else over the reference's value,
 ``(value - reference) / reference`` (0.01: 1 % more error). The built-in error metrics are relative; a user's
 metric is when its function says so (an attribute ``relative = True``).
 
@@ -105,10 +106,17 @@ class Metric:
         own units, or for a :attr:`relative` one over :attr:`scale`, the targets' spread (an MSE's rise over their
         variance: R^2 points), else over the baseline's magnitude. Not over the baseline alone where the targets
         give a scale: a reference that fits its targets closely has a small error, and any engine's noise would be
-        many times it. With neither (targets that do not vary, a perfect fit) the drop is in its own units."""
+        many times it. Over the baseline where it exceeds the spread (:meth:`worse_than_mean`): an engine's rounding
+        of predictions far from the targets moves their error by more than the spread, which would then fail any
+        engine. With neither (targets that do not vary, a perfect fit) the drop is in its own units."""
         worse = baseline - value if self.higher_is_better else value - baseline
-        over = self.scale or abs(baseline) if self.relative else 0.0
+        over = max(self.scale or 0.0, abs(baseline)) if self.relative else 0.0
         return worse / over if over else worse
+
+    def worse_than_mean(self, baseline: float | None) -> bool:
+        """Whether a reference scoring ``baseline`` errs more than the targets spread (an MSE over their variance:
+        R^2 < 0), i.e. more than predicting their mean would: its drop is then over its own value (:meth:`drop`)."""
+        return bool(self.relative and self.scale and baseline is not None and abs(baseline) > self.scale)
 
 
 def against_reference(metric: Metric) -> Metric:
@@ -149,9 +157,9 @@ def scaled_by(metric: Metric | None, targets: np.ndarray | None) -> Metric | Non
 
 def _as_float(returned: object, name: str) -> float:
     """A metric's value as a float: a number, or an array or tensor of one element."""
-    try:
-        value = np.asarray(returned, dtype=np.float64)
-    except (TypeError, ValueError, RuntimeError):  # a str, a dict, a tensor that needs grad
+    try:  # a str of a number converts, yet is no score: refused with the rest
+        value = None if _is_text(returned) else np.asarray(returned, dtype=np.float64)
+    except (TypeError, ValueError, RuntimeError):  # a dict, a tensor that needs grad
         value = None
     if value is None or value.size != 1:
         shape = getattr(returned, "shape", None)
@@ -161,6 +169,11 @@ def _as_float(returned: object, name: str) -> float:
             hint="return one float for the whole set (e.g. a mean over the samples: float(scores.mean()))",
         )
     return float(value.reshape(()))
+
+
+def _is_text(value: object) -> bool:
+    """A str or bytes, or an array of them: text, which NumPy would read as a number where it spells one."""
+    return isinstance(value, (str, bytes)) or getattr(getattr(value, "dtype", None), "kind", "") in ("U", "S")
 
 
 def resolve_metric(
@@ -525,6 +538,24 @@ SPREADS: dict[str, Callable[[np.ndarray], float]] = {
     "rmse": lambda d: np.sqrt(np.mean(d**2)),
     "mae": lambda d: np.mean(np.abs(d)),
 }
+# each spread as the report and warnings name it
+SPREAD_NAMES = {"mse": "variance", "rmse": "standard deviation", "mae": "mean absolute deviation"}
+
+
+def worse_than_mean_note(metric: Metric | None, baseline: float | None) -> str | None:
+    """Where the reference errs more than the targets spread (:meth:`Metric.worse_than_mean`), what that means for
+    ``max_metric_drop``; None elsewhere. Such a reference predicts worse than the targets' mean (an MSE's R^2 < 0:
+    an offset or scale it never learned), so agreeing with it says little about the task."""
+    if metric is None or baseline is None or not metric.worse_than_mean(baseline):
+        return None
+    spread = SPREAD_NAMES.get(metric.name, "spread")
+    return (
+        f"the reference's {metric.name} ({baseline:.4g}) exceeds the targets' {spread} ({metric.scale:.4g}): it "
+        "predicts worse than their mean would" + (" (R^2 < 0)" if metric.name in ("mse", "rmse") else "") + ", so "
+        f"max_metric_drop holds each engine's rise over the reference's own {metric.name}, and the gate says little "
+        "about the task; check the model's training and the targets (an offset or scale it does not fit: normalise "
+        "them)"
+    )
 
 
 def metric_labels(val_y: Any) -> np.ndarray | None:

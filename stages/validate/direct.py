@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kiln.core.compare import OutputStats
+from kiln.core.data import feed_rows
 from kiln.core.errors import InputError, InputFileError, KilnError
 from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, rows_per_call, run_batched
 from kiln.core.inputs import check_batch_axis, random_inputs, recorded_sizes
@@ -36,6 +37,7 @@ from kiln.stages.validate.stage import ValidateSettings, check_gates, gated_list
 log = logging.getLogger("kiln.validate")
 
 Feed = dict[str, np.ndarray]
+FEW_ROWS = 32  # --inputs of fewer rows are warned of, as kiln precision warns of few calibration rows
 RANDOM_FIX = "pass --inputs file.npz with concrete arrays"
 OTHER_MODEL = (
     "validate an engine against the model it was built from (its ONNX file, or its checkpoint with model.name)"
@@ -231,6 +233,7 @@ def _checks(meta: EngineMetadata, inputs: Path | None, cfg: ValidateSettings) ->
         log.info("validating at %s%s", said or "the inputs' sizes", f", batch {batches}" if batches != [None] else "")
     if inputs is not None:
         data = read_feed(inputs, meta.inputs, batched=True)
+        _warn_few_rows(inputs, data)
         axes = graph_axes(meta.inputs)
         return [(resize(data, axes, p, repeat_floats=True) if p else data, b) for p in points for b in batches]
     recorded: dict[str, dict[int, int]] | None = None
@@ -248,6 +251,21 @@ def _checks(meta: EngineMetadata, inputs: Path | None, cfg: ValidateSettings) ->
             )
             out.append((feed, b))
     return out
+
+
+def _warn_few_rows(inputs: Path, feed: Feed) -> None:
+    """Warn where ``--inputs`` holds fewer than :data:`FEW_ROWS` rows: every statistic the gates judge (cosine, the
+    worst sample's, errors, top-1 agreement) is then of that few samples, and an engine wrong on most inputs may
+    agree with its reference on them (``kiln precision`` warns alike of few calibration rows)."""
+    rows = feed_rows(feed)
+    if rows < FEW_ROWS:
+        log.warning(
+            "--inputs %s holds only %s: the engine's agreement with the reference is measured on that few samples. "
+            "Give at least %d rows of real inputs",
+            inputs,
+            "1 row" if rows == 1 else f"{rows} rows",
+            FEW_ROWS,
+        )
 
 
 def _point_sizes(

@@ -14,7 +14,7 @@ from kiln.core.errors import KilnError
 from kiln.core.records import EngineValidation, Memory, ValidationResult
 from kiln.core.text import FEATURE_NAMES, fmt
 from kiln.core.timing import ratio_interval
-from kiln.stages.accuracy.metrics import BUILTINS, DEFAULT, RELATIVE, Metric, resolve_metric
+from kiln.stages.accuracy.metrics import BUILTINS, DEFAULT, RELATIVE, SPREAD_NAMES, Metric, resolve_metric
 from kiln.stages.validate.measured import NO_FINITE_FIX, unmeasured
 
 DEFAULT_LOGITS = "logits"  # the output taken as the class logits by default (kiln.core.outputs, which loads torch)
@@ -72,8 +72,10 @@ def _computes_otherwise(failures: Sequence[str]) -> bool:
     return any("< min_cosine" in f or "< min_top1_agreement" in f for f in failures)
 
 
-def report_section(v: ValidationResult) -> list[str]:
-    """Validation's part of report.md: the reference, each engine against it, and what failed."""
+def report_section(v: ValidationResult, higher_is_better: bool | None = None) -> list[str]:
+    """Validation's part of report.md: the reference, each engine against it, and what failed.
+    ``higher_is_better``: ``validate.metric_higher_is_better`` of the run that validated, the direction its gate
+    judged ``validate.metric`` by (None: the metric's own)."""
     b = v.baseline
     sizes = _sizes(v)
     # a model without class logits (float targets) is held to each output's relative error: a column of its own
@@ -153,7 +155,7 @@ def report_section(v: ValidationResult) -> list[str]:
             + ", ".join(f"{e.name} {e.top1_ties:.2%}" for e in tied)
             + f" of the {_decisions(b)}, at the validated shape and batch size where the share is largest.",
         ]
-    lines += _timing(v) + _metric(v)
+    lines += _timing(v) + _metric(v, higher_is_better)
     lines += [f"- baseline {x.label} not measured: {x.error}" for x in v.baselines if x.error]
     lines += _per_output(v)
     if v.failures:
@@ -307,17 +309,17 @@ def _scored(b: Any) -> str:
     return f"accuracy {fmt(b.accuracy)}"
 
 
-def _metric(v: ValidationResult) -> list[str]:
+def _metric(v: ValidationResult, higher_is_better: bool | None = None) -> list[str]:
     """The metric each engine scored beside the reference's, with its drop and gate, and the unit the gate is in.
     Its name is validate.metric's; a value without one is the metric float targets get where validate.metric is
-    unset (:data:`DEFAULT`)."""
+    unset (:data:`DEFAULT`), whose direction no setting changes. ``higher_is_better``: the configured direction."""
     b = v.baseline
     if b.metric_name is None and b.metric is None:
         return []
     name = b.metric_name or DEFAULT
     default = b.metric_default or not b.metric_name  # a record of before metric_default: a value without a name
     source = "the default for float targets: validate.metric is unset" if default else "validate.metric"
-    metric = _resolved(name, b.metric_scale)
+    metric = _resolved(name, b.metric_scale, None if default else higher_is_better)
     scored = [e for e in v.engines if e.metric is not None]
     per = "; ".join(f"{e.name} {fmt(e.metric, '.4g')}{_metric_drop(metric, b.metric, e)}" for e in scored)
     if b.labelled_positions == 0:  # labels per position that fit no validated shape (said above)
@@ -328,15 +330,16 @@ def _metric(v: ValidationResult) -> list[str]:
     return ["", f"Metric `{name}` ({source}): reference {fmt(b.metric, '.4g')}; {per}. {gate}"]
 
 
-def _resolved(name: str, scale: float | None) -> Metric | None:
-    """The metric ``name`` as validation judged it, with the scale its relative drop was over: a built-in, or a
-    user's function whose module this process imported already (the run that validated); None for a user's metric
-    that a cached run reads from its record, which runs none of the user's code."""
+def _resolved(name: str, scale: float | None, higher_is_better: bool | None = None) -> Metric | None:
+    """The metric ``name`` as validation judged it, with the scale its relative drop was over and the direction
+    ``validate.metric_higher_is_better`` set (None: its own): a built-in, or a user's function whose module this
+    process imported already (the run that validated); None for a user's metric that a cached run reads from its
+    record, which runs none of the user's code."""
     module = name.partition(":")[0]
     if name not in BUILTINS and module not in sys.modules:
         return None
     try:
-        metric = resolve_metric(name, None)
+        metric = resolve_metric(name, None, higher_is_better)
     except KilnError:  # the module no longer holds the function: said as unknown, not as an error of the report
         return None
     return None if metric is None else replace(metric, scale=scale)
@@ -360,6 +363,13 @@ def _metric_gate(name: str, metric: Metric | None, baseline: float | None, limit
         return f"Gate (`max_metric_drop`): a {worse} of {at_most} in `{name}`'s own units ({direction})."
     what = "an error metric" if not metric.higher_is_better else "judged relatively"
     diff = "(reference - engine)" if metric.higher_is_better else "(engine - reference)"
+    if metric.worse_than_mean(baseline):  # over the reference's own error, which exceeds the spread
+        spread = SPREAD_NAMES.get(name, "spread")
+        return (
+            f"Gate (`max_metric_drop`): a {worse} of {at_most} times the reference's value, {diff} / reference: its "
+            f"`{name}` exceeds the targets' {spread} ({metric.scale:.4g}), so it predicts worse than their mean and "
+            f"the gate says little about the task; `{name}` is {what} ({direction})."
+        )
     if metric.scale:
         r2 = "" if name != "mse" or limit is None else f": at most {limit:g} of R^2 lost"
         return (
@@ -544,14 +554,20 @@ def _no_class_logits(b: Any) -> str:
 
 
 def _coupled(v: ValidationResult) -> str:
-    """Outputs whose rows depend on the whole batch (a two-tower model's image-text logits ``[batch, batch]``):
-    compared on whole batches, and served unbatched (the Triton configs' max_batch_size 0), said with why."""
+    """Outputs whose rows depend, or may depend, on the whole batch, served unbatched (the Triton configs'
+    max_batch_size 0), said with why: the runtime probe saw them follow the batch (a two-tower model's image-text
+    logits ``[batch, batch]``), compared on whole batches then, or the graph selects over the batch
+    (:func:`kiln.stages.validate.coupling.rows_may_mix`), which the probe's rows may not show. The record does not
+    say which of the two flagged an output: the stage's warning names those the graph alone flagged."""
     if not v.batch_coupled:
         return ""
     names = ", ".join(f"'{n}'" for n in v.batch_coupled)
+    one = len(v.batch_coupled) == 1
     return (
-        f" {names} depend{'s' if len(v.batch_coupled) == 1 else ''} on the whole batch (its rows are not the "
-        "samples'): compared on whole batches, and served unbatched (no server batches requests together)."
+        f" {names} depend{'s' if one else ''} on the whole batch, or may: the runtime probe saw "
+        f"{'its' if one else 'their'} rows follow the batch (then compared on whole batches), or the graph selects "
+        "over the batch (NonZero, Compress or Unique on batched values), which held-out data of one kind need not "
+        "show; served unbatched (no server batches requests together)."
     )
 
 
@@ -694,6 +710,24 @@ def _share_of_peak(row: dict[str, Any]) -> str:
     return "> 100" if row.get("above_measured_peak") else fmt(row["pct_of_measured_peak"], ".1f")
 
 
+def _precision_share(e: EngineValidation) -> str:
+    """``int8 100%``: the engine's share of FLOPs per precision; where its roofline rows record compute nodes the
+    audit could not count (:func:`kiln.stages.validate.stage.uncounted_share`), each share it leaves unsure as its
+    floor, ``int8 ≥ 50% (100% of the counted FLOPs); uncounted: Einsum x1``."""
+    row = next(iter(e.roofline.values()), {})
+    floor, ops = row.get("share_floor") or {}, row.get("uncounted_ops") or {}
+    said = [
+        f"{k} ≥ {floor[k]:.0%} ({x:.0%} of the counted FLOPs)"
+        if f"{floor.get(k, x):.0%}" != f"{x:.0%}"
+        else f"{k} {x:.0%}"
+        for k, x in e.precision_share.items()
+    ]
+    if not said:
+        return "-"
+    uncounted = ", ".join(f"{op} x{sum(by.values())}" for op, by in ops.items())
+    return ", ".join(said) + (f"; uncounted: {uncounted}" if uncounted else "")
+
+
 def _roofline(v: ValidationResult) -> list[str]:
     """Achieved TFLOP/s per engine and batch beside the device's measured GEMM peak (and the datasheet's)."""
     rows = [e for e in v.engines if e.roofline]
@@ -719,13 +753,14 @@ def _roofline(v: ValidationResult) -> list[str]:
         "### Roofline",
         "",
         f"Peak TFLOP/s of a large GEMM here: {peaks}. FLOPs per sample from each engine's graph (its audit, "
-        "which also gives the share of them computed in each precision).",
+        "which also gives the share of them computed in each precision; a share after ≥ is its floor, where compute "
+        "nodes the audit could not count, named beside it, may run in another precision).",
         "",
         "| engine | precision share | GFLOP/sample | batch | TFLOP/s at p50 | % of measured peak | % of datasheet |",
         "|---|---|---|---|---|---|---|",
     ]
     for e in rows:
-        share = ", ".join(f"{k} {x:.0%}" for k, x in e.precision_share.items()) or "-"
+        share = _precision_share(e)
         for bs, r in sorted(e.roofline.items(), key=lambda kv: int(kv[0])):
             out.append(
                 f"| {e.name} | {share} | {at_least(r)}{(e.flops_per_sample or 0) / 1e9:.3g} | {bs} | "

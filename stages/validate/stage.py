@@ -60,10 +60,11 @@ from kiln.stages.accuracy.check import (
     gates_for,
     held_out,
     held_out_reference,
+    regression,
     sample_batch,
     summarize,
 )
-from kiln.stages.accuracy.metrics import Metric
+from kiln.stages.accuracy.metrics import Metric, metric_labels, worse_than_mean_note
 from kiln.stages.accuracy.refusal import reference_error
 from kiln.stages.engines.backend import engine_dirs, read_metadata
 from kiln.stages.engines.registry import backend_named, load_engine, preference_order, runnable
@@ -263,7 +264,19 @@ def add_roofline(checked: list[Checked], cache_dir: Path | None) -> dict[str, di
         c.entry.precision_share = c.meta.audit.get("share") or {}
         covers = c.meta.audit.get("share_covers_nodes", 1.0)  # under 1: FLOPs of nodes it could not count are left out
         c.entry.roofline = roofline(c.entry, flops, peaks[c.entry.device], covers)
+        for row in c.entry.roofline.values():
+            row.update(uncounted_share(c.meta.audit))
     return peaks
+
+
+def uncounted_share(audit: dict[str, Any]) -> dict[str, Any]:
+    """Where compute nodes the audit could not count leave a precision's share unsure (its ``share_floor`` below its
+    ``share``), the floor and those nodes by op (``uncounted_ops``), for the roofline rows the report reads: a share
+    of the counted FLOPs alone would read "int8 100%" for an engine whose uncounted Einsum may run in FP32."""
+    share, floor = audit.get("share") or {}, audit.get("share_floor") or {}
+    if not audit.get("uncounted_ops") or not any(floor.get(k, x) < x for k, x in share.items()):
+        return {}
+    return {"share_floor": floor, "uncounted_ops": audit["uncounted_ops"]}
 
 
 def time_interleaved(
@@ -569,9 +582,10 @@ def _coupled(ctx: StageContext[ValidateSettings], probed: list[str]) -> list[str
     mixed = [o for o in rows_may_mix(graph) if o not in probed]
     if mixed:
         ctx.log.warning(
-            "outputs %s pass through a selection over the whole batch (NonZero: a boolean mask indexing batched "
-            "values): a request's answer could depend on the requests batched with it, so they are served one "
-            "request per engine call",
+            "outputs %s may depend on the whole batch: they pass through a selection over it (NonZero, Compress or "
+            "Unique on batched values: a boolean mask indexing them). The runtime probe found each row it ran alone "
+            "equal to that row in the batch, yet requests that differ in what the mask selects could change each "
+            "other's answers, so they are served one request per engine call, to be safe",
             mixed,
         )
     return [o.name for o in graph.output if o.name in {*probed, *mixed}] + [
@@ -681,6 +695,44 @@ def _scored_by(metric: Metric | None) -> str:
     return f"validate.metric '{metric.name}' scores them"
 
 
+def unscored(ref: Reference, data: DatasetSplits, named: str | int | None = None) -> str | None:
+    """Why float targets leave the engines with no task score (no accuracy, no metric: they pass on their agreement
+    with the reference alone), with the settings that give one, for a warning; None where something scores them or
+    the labels are integer classes (the report says why no output is their logits). ``named``:
+    ``signature.logits_output``, which picks the prediction where several outputs could be it."""
+    y = metric_labels(data.val_y)
+    if ref.accuracy is not None or getattr(ref, "metric", None) is not None or y is None or data.classification:
+        return None
+    last = ref.outputs[-1] if getattr(ref, "outputs", None) else {}
+    fit = [n for n, v in last.items() if np.size(v) == y.size]
+    ambiguous = len(fit) > 1 and named is None
+    fix = "set validate.metric (mse for values to predict, multilabel_f1 for 0/1 targets shaped like the logits, or "
+    fix += "your own pkg.mod:fn)"
+    if ambiguous:
+        named = f"signature.logits_output to the output that is the prediction ({' or '.join(fit)}), which mse scores"
+        fix = f"set {named} by default; or {fix.removeprefix('set ')}"
+    return (
+        f"no task metric scores the float targets {y.dtype}{list(y.shape)} ({_why_unscored(data, y, fit, ambiguous)}): "
+        f"the engines are judged by their agreement with the reference alone; {fix}"
+    )
+
+
+def _why_unscored(data: DatasetSplits, y: np.ndarray, fit: list[str], ambiguous: bool) -> str:
+    """Why no metric is the default for float targets ``y`` (:func:`~kiln.stages.accuracy.metrics.default_metric`):
+    ``fit``, the outputs with as many values; ``ambiguous``: several fit and none is named."""
+    if data.num_classes:
+        return f"num_classes {data.num_classes} is declared beside them, so no default metric applies"
+    if not regression(data):
+        return "rows that each sum to 1: class scores (soft labels), which no default metric reads"
+    if np.isin(y, (0, 1)).all():
+        return "0/1 targets: a multi-label head's, whose threshold is yours to say"
+    if ambiguous:
+        return f"outputs {', '.join(fit)} each have as many values as the targets, and none is named the prediction"
+    if not fit:
+        return "no output has as many values as the targets"
+    return "no single output is their prediction, or a value is not finite"
+
+
 def no_class_logits(names: list[str], ref: Reference, data: DatasetSplits) -> str:
     """Why no output of ``names`` is held as class logits on labelled data with classes, for the report: the
     outputs' names say none is (several, none ``logits``; one named as features), or the default one's class axis
@@ -741,6 +793,12 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         b.metric_default = ref.metric is not None and ref.metric.default
         b.metric_scale = ref.metric.scale if ref.metric is not None else None
         b.accuracy_note = accuracy_absent(ref, data, ctx.config.signature.logits_output)
+    for said in (
+        unscored(ref, data, ctx.config.signature.logits_output),
+        worse_than_mean_note(ref.metric, ref.metric_value),
+    ):
+        if said is not None:
+            ctx.log.warning("%s", said)
     if baseline.error:  # the accuracy reference must have numbers: eager on the CPU
         baseline = Baseline(
             accuracy=accuracy,
