@@ -61,6 +61,7 @@ class FallbackResult:
     tried: list[str] = field(default_factory=list)  # every node a round kept in float, in the order tried
     metrics: dict[str, Any] = field(default_factory=dict)  # the variant's comparison (its round's, or after pruning)
     timing: dict[str, Any] = field(default_factory=dict)  # where two graphs passed: their latencies, the one kept
+    enabled: bool = True  # precision.fallback.enabled: off, the variant is its first round's graph
 
     def summary(self) -> dict[str, Any]:
         return {"passed": self.passed, "rounds": self.rounds, "kept": self.kept, "failures": self.failures}
@@ -214,7 +215,7 @@ def run_fallback(
     ``candidates``: nodes whose precision ``build`` can change; ``label``: the log lines' name (a :class:`Label`
     where ``build`` keeps nodes in float besides ``extra_fp32_nodes`` and the configuration's exclusions)."""
     kept: dict[str, str] = {}
-    result = FallbackResult(path=Path())
+    result = FallbackResult(path=Path(), enabled=cfg.enabled)
     best: tuple[Verdict, int, dict[str, str], MetricGap | None] | None = None  # verdict, round, nodes kept, metric
     helped: list[bool] = []  # per round after the first: did its nodes improve on the best before them
     added: list[set[str]] = []  # per round after the first: the nodes it kept

@@ -466,10 +466,12 @@ def _why(label: str, fallback: dict[str, Any], outcome: str = "not made") -> str
     tried = fallback.get("tried") or []
     nodes = f"tried keeping {len(tried)} nodes in float ({', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"
     stopped = [r["stopped"] for r in fallback.get("rounds") or [] if r.get("stopped")]
+    failures = "; ".join(fallback.get("failures") or ["?"])
+    if fallback.get("enabled") is False:  # one graph, checked once: no round kept anything in float
+        return f"{label} {outcome}: it misses the gates its engines face ({failures}); the accuracy fallback is off"
     return (
         f"{label} {outcome}: no fallback round passed the gates its engines face "
-        f"({'; '.join(fallback.get('failures') or ['?'])}); {nodes if tried else 'no node was tried in float'}"
-        + "".join(f"; {s}" for s in stopped)
+        f"({failures}); {nodes if tried else 'no node was tried in float'}" + "".join(f"; {s}" for s in stopped)
     )
 
 

@@ -696,4 +696,5 @@ def _fallback_record(res: FallbackResult) -> dict[str, Any]:
         "failures": res.failures,
         "tried": res.tried,
         **({"timing": res.timing} if res.timing else {}),
+        **({} if res.enabled else {"enabled": False}),
     }
