@@ -272,7 +272,8 @@ def decomposed_layernorm_nodes(model: onnx.ModelProto) -> list[str]:
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
-    shapes: dict[str, list[int | None]] = {}
+    """Each tensor's shape as inference left it (None: an axis of unknown size), the initializers' too."""
+    shapes: dict[str, list[int | None]] = {t.name: list(t.dims) for t in model.graph.initializer}
     for vi in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
         t = vi.type.tensor_type
         if t.HasField("shape"):

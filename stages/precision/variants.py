@@ -53,7 +53,7 @@ from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.emulate import emulate_fp16
 from kiln.stages.precision.fallback import FallbackResult, Label, run_fallback
 from kiln.stages.precision.fp16 import convert_fp16, name_nodes
-from kiln.stages.precision.fp16_select import INDEX_OPS, select_fp32_nodes
+from kiln.stages.precision.fp16_select import INDEX_OPS, PERIODIC_OPS, phase_nodes, select_fp32_nodes
 from kiln.stages.precision.gate import GateCheck
 
 log = logging.getLogger("kiln.precision")
@@ -359,7 +359,7 @@ def _build_int8(
     info: dict[str, Any] = {}
 
     def build(extra: set[str]) -> Path:
-        info.update(quantize_int8(src.path, out, ranges, ccfg, extra))
+        info.update(quantize_int8(src.path, out, ranges, ccfg, extra | set(base)))
         return out
 
     ops = set(quantizable_op_types(ccfg))
@@ -615,7 +615,21 @@ def _kept_before_fallback(model: onnx.ModelProto, ccfg: CalibrationConfig, range
     """Nodes a quantized variant keeps in float from the start, each with its reason: those the configuration
     excludes, and those that write or read a tensor calibration found not finite."""
     kept = {n: _exclusion_reason(model, n, ccfg) for n in excluded_nodes(model, ccfg)}
-    return unbounded_nodes(model, ranges) | kept
+    return unbounded_nodes(model, ranges) | _phase_kept(model, ccfg) | kept
+
+
+def _phase_kept(model: onnx.ModelProto, ccfg: CalibrationConfig) -> dict[str, str]:
+    """The nodes calibration would quantize that compute the argument of a Sin/Cos/Tan from positions, timesteps and
+    frequencies (a rotary embedding's ``inv_freq @ positions``, :func:`~.fp16_select.phase_nodes`), kept in float:
+    INT8 steps such a phase by 1/127 of its largest value, a step that grows with the sequence (positions up to 1000:
+    8 rad), and the periodic op turns it into an error of the same size."""
+    periodic = {n.name for n in model.graph.node if n.op_type in PERIODIC_OPS}
+    if not periodic:
+        return {}
+    ops = set(quantizable_op_types(ccfg))
+    types = {n.name: n.op_type for n in model.graph.node}
+    why = "computes the phase of a Sin/Cos: INT8 would step it by 1/127 of its largest value, an error Sin/Cos keep"
+    return {name: why for name in phase_nodes(model, periodic) if types.get(name) in ops}
 
 
 def _exclusion_reason(model: onnx.ModelProto, name: str, ccfg: CalibrationConfig) -> str:
@@ -640,7 +654,7 @@ def build_fp8(
     info: dict[str, Any] = {}
 
     def build(extra: set[str]) -> Path:
-        info.update(quantize_fp8(src.path, out, ranges, ccfg, extra))
+        info.update(quantize_fp8(src.path, out, ranges, ccfg, extra | set(base)))
         return out
 
     ops = set(quantizable_op_types(ccfg))

@@ -16,7 +16,7 @@ ALONE = "the others go on"
 def test_a_variant_failing_on_random_inputs_is_fixed_by_real_data(tmp_path: Path) -> None:
     model = token_graph(tmp_path / "m.onnx", offset=10.0)
     result = invoke("precision", model, "-o", tmp_path / "v", "--variants", "int8", "--set", SHAPES)
-    assert_clean(result, 2, "int8 not made: no fallback round passed the gates")
+    assert_clean(result, 2, "int8 not made: it misses the gates its engines face")
     fix = next(line for line in result.output.splitlines() if line.startswith("fix:"))
     assert "--calibration" in fix and "max_rounds" not in fix, fix
     assert ALONE not in result.output
@@ -28,7 +28,7 @@ def test_a_failure_beside_a_variant_that_goes_on_is_logged_when_it_happens(tmp_p
     result = invoke("precision", model, "-o", tmp_path / "v", "--variants", "fp16,int8", "--set", SHAPES)
     assert result.exit_code == 2, result.output
     said = next(line for line in result.output.splitlines() if "the other variants go on" in line)
-    assert said.startswith("WARNING int8 not made: no fallback round passed the gates"), said
+    assert said.startswith("WARNING int8 not made: it misses the gates its engines face"), said
     assert (tmp_path / "v" / "fp16" / "model.onnx").is_file()
 
 
