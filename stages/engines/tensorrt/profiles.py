@@ -36,16 +36,35 @@ def default_profiles(
                 lo.append(min(sizes[d]))
                 hi.append(max(sizes[d]))
             else:
-                unsized = [d for d in spec.shape[1:] if not (isinstance(d, int) and d >= 1) and d not in sizes]
-                raise ConfigError(
-                    f"input '{spec.name}' (shape {spec.shape}) has dynamic axes {unsized} besides the batch axis, "
-                    "with no sizes known for them",
-                    hint="give signature.shapes their sizes by those names (kiln build: --set "
-                    f"'signature.shapes={{{unsized[0]}: [16, 64]}}'; kiln run: with signature.dynamic_axes naming "
-                    "them), or build.tensorrt.profiles with min/opt/max for this input",
-                )
+                raise _unsized_error(spec, sizes)
         profile[spec.name] = ShapeRange(min=lo, opt=hi, max=hi)
     return [profile]
+
+
+def _unsized_error(spec: TensorSpec, sizes: dict[str, list[int]]) -> ConfigError:
+    """The error for ``spec``'s dynamic axes besides the batch with no sizes known: named ones get sizes by their
+    names; an axis the file leaves unnamed (no name to give sizes by) is named first, in signature.dynamic_axes."""
+    axes = [(i, d) for i, d in enumerate(spec.shape) if i and not (isinstance(d, int) and d >= 1) and d not in sizes]
+    named = [str(d) for _, d in axes if isinstance(d, str) and d]
+    problem = (
+        f"input '{spec.name}' (shape {spec.shape}) has dynamic axes {[d for _, d in axes]} besides the batch axis, "
+        "with no sizes known for them"
+    )
+    if named:
+        hint = (
+            "give signature.shapes their sizes by those names (kiln build: --set "
+            f"'signature.shapes={{{named[0]}: [16, 64]}}'; kiln run: with signature.dynamic_axes naming them), or "
+            "build.tensorrt.profiles with min/opt/max for this input"
+        )
+    else:
+        axis = axes[0][0]
+        hint = (
+            f"the file leaves axis {axis} unnamed, so no size can be given by its name: name it (kiln run: "
+            f"signature.dynamic_axes: {{{spec.name}: {{{axis}: seq}}}}, with signature.shapes: {{seq: [16, 64]}}; or "
+            "re-export the file with named dynamic axes), or give build.tensorrt.profiles with min/opt/max for "
+            "this input"
+        )
+    return ConfigError(problem, hint=hint)
 
 
 def check_profiles(

@@ -128,3 +128,20 @@ def test_engine_runs_at_both_lengths_and_batches(token_onnx: Path, tmp_path: Pat
                 for name, value in want.items():
                     assert got[name].shape == value.shape
                     assert np.allclose(got[name], value, atol=1e-3, rtol=1e-3), (batch, seq, name)
+
+
+def test_an_unnamed_dynamic_axis_is_told_to_take_a_name_first() -> None:
+    """A file whose axis 1 is dynamic but unnamed: no size can be given by a name, so the fix names it first (a
+    signature.shapes key of ``0`` or ``''`` could not work)."""
+    spec = TensorSpec(name="x", shape=["batch", 0, 8], dtype="float32")
+    with pytest.raises(ConfigError) as err:
+        default_profiles([spec], 8, {})
+    assert "axis 1 unnamed" in err.value.hint and "signature.dynamic_axes: {x: {1: seq}}" in err.value.hint
+    assert "signature.shapes={0:" not in err.value.hint
+
+
+def test_a_named_dynamic_axis_is_given_sizes_by_its_name() -> None:
+    spec = TensorSpec(name="ids", shape=["batch", "seq_len"], dtype="int64")
+    with pytest.raises(ConfigError) as err:
+        default_profiles([spec], 8, {})
+    assert "signature.shapes={seq_len: [16, 64]}" in err.value.hint
