@@ -21,6 +21,7 @@ from kiln.models.model_io import dataset_for
 from kiln.models.registry import DEFAULT_DATASET
 from kiln.stages.export.declaration import ExportSettings
 from kiln.stages.export.parity import PARITY_ROWS
+from kiln.stages.train.stage import check_fp32
 
 
 def example_source(specs: list[TensorSpec] | None) -> str:
@@ -30,7 +31,10 @@ def example_source(specs: list[TensorSpec] | None) -> str:
 
 def direct_example(cfg: ExportSettings, model: nn.Module, specs: list[TensorSpec] | None) -> Inputs:
     """``PARITY_ROWS`` rows of example inputs the model is known to take: of ``specs`` (``--input-shape``) or the
-    data's (fewer where the data has fewer)."""
+    data's (fewer where the data has fewer). A model of half-precision weights is refused first, as ``kiln run``'s
+    train stage refuses it (:func:`check_fp32`): float32 inputs fail in it, or its graph in ONNX's shape inference,
+    and neither error says why."""
+    check_fp32(model, cfg.model.name)
     if specs:
         example = example_inputs(specs, PARITY_ROWS)
         what = "the inputs --input-shape gives (" + _describe(specs) + ")"
@@ -48,9 +52,47 @@ def direct_example(cfg: ExportSettings, model: nn.Module, specs: list[TensorSpec
             call(model, example)
     except Exception as exc:  # the model rejects them: say so, not "an op ONNX cannot express" or a traceback
         reason = first_line(exc)
-        hint = input_shape_hint(model, random=bool(specs), given=[s.name for s in specs or []])
+        given = [s.name for s in specs or []]
+        hint = (specs and _names_fix(model, given)) or input_shape_hint(model, random=bool(specs), given=given)
         raise ConfigError(f"model '{cfg.model.name}' rejects {what}: {reason}", hint=hint) from None
     return example
+
+
+def _names_fix(model: nn.Module, given: list[str]) -> str | None:
+    """The fix where the names ``--input-shape`` gives (``given``) do not match the forward's parameters: a name
+    it has no parameter of (and no ``**kwargs``), or a required parameter (no default, not a label) none gives. None
+    where they match, or the forward's signature cannot be read: the values, not the names, are then what it
+    rejects. An unnamed shape is the forward's first argument."""
+    params = _forward_params(model)
+    if not params:
+        return None
+    names = [p.name for p in params if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    unnamed = given == [SINGLE_INPUT] and SINGLE_INPUT not in names
+    if unnamed:
+        given = names[:1]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    unknown = [] if takes_any else [n for n in given if n not in names]
+    required = [p.name for p in params if p.name in names and p.default is inspect.Parameter.empty]
+    missing = [n for n in required if n not in given and not is_label_name(n)]
+    if not unknown and not missing:
+        return None
+    fixes = []
+    if unknown:
+        said = ", ".join(f"'{n}'" for n in unknown)
+        verb = "is not a parameter" if len(unknown) == 1 else "are not parameters"
+        fixes.append(f"{said} {verb} of {type(model).__name__}.forward; it takes {', '.join(names)}")
+    if missing:
+        flags = " ".join(f"--input-shape {n}=DIMS" for n in ([*given, *missing] if unnamed else missing))
+        fixes.append(f"name each input: {flags}" if unnamed else f"add {flags}")
+    return "; ".join(fixes) + f" ({SHAPE_EXAMPLE})"
+
+
+def _forward_params(model: nn.Module) -> list[inspect.Parameter] | None:
+    """The forward's parameters; None for a builtin or C++ forward, which has no signature to read."""
+    try:
+        return list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
 
 
 def input_shape_hint(model: nn.Module, random: bool = False, given: list[str] | None = None) -> str:
@@ -74,16 +116,17 @@ def input_shape_hint(model: nn.Module, random: bool = False, given: list[str] | 
     )
 
 
+# What DIMS is, after the flags the fix asks for
+SHAPE_EXAMPLE = "DIMS one sample's shape without the batch axis, e.g. image=3,224,224, ids=128:int64, t=():int64"
+
+
 def _suggested(model: nn.Module, given: list[str]) -> list[str]:
     """The inputs to give ``--input-shape`` for: those ``given`` (an unnamed one: the forward's first) and the
     forward's required parameters (no default) they lack, not its optional ones, which are alternatives
     (``inputs_embeds`` for ``input_ids``) or extras it works without; with none given, the required ones, or every
     parameter where all have defaults (a ``transformers`` model's). Never labels (``labels``, ``targets``:
     training's ``y``, refused among the inputs)."""
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):  # a builtin or C++ forward: no signature to read
-        params = []
+    params = _forward_params(model) or []
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     named = [p for p in params if p.kind in kinds and not is_label_name(p.name)]
     required = [p.name for p in named if p.default is inspect.Parameter.empty]
@@ -120,17 +163,30 @@ def parse_input_shapes(texts: tuple[str, ...]) -> list[TensorSpec]:
     return specs
 
 
+# The dtypes an --input-shape input may have: those a random array of it is made in (numpy) and torch takes
+INPUT_DTYPES = ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
 def _parse_input_shape(text: str) -> TensorSpec:
     name, sep, rest = text.rpartition("=")
     dims, _, dtype = rest.partition(":")
     shape = _dims(dims)
-    try:
-        np.dtype(dtype or "float32")
-    except (TypeError, ValueError):
-        shape = None
     if shape is None or not text.strip() or (sep and not name.isidentifier()):
         raise ConfigError(f"--input-shape '{text}' is not {INPUT_SHAPE_FORM}", hint=INPUT_SHAPE_HINT)
+    if dtype and _dtype_name(dtype) not in INPUT_DTYPES:
+        raise ConfigError(
+            f"--input-shape '{text}': '{dtype}' is not a dtype it takes",
+            hint=f"give one of {', '.join(INPUT_DTYPES)} after the ':' (float32 where none is given)",
+        )
     return TensorSpec(name=name if sep else SINGLE_INPUT, shape=["batch", *shape], dtype=dtype or "float32")
+
+
+def _dtype_name(text: str) -> str | None:
+    """numpy's name of dtype ``text`` (``float32`` for ``f4``); None for no dtype numpy knows."""
+    try:
+        return np.dtype(text).name
+    except (TypeError, ValueError):
+        return None
 
 
 def _dims(text: str) -> list[int] | None:

@@ -1,16 +1,20 @@
 """Parity of the exported graph with PyTorch: ONNX Runtime against the model on the same rows, each output held to
 ``atol + rtol *`` the value its error is on; the batch check, which tells a graph that holds its traced batch from
 one that is merely inexact; the error that says which it is and what to change; and the check of outputs that order
-by value on inputs grown without ties. The size checks and the step probe are built on these."""
+by value on inputs grown without ties. The size checks and the step probe are built on these. A graph that
+quantizes (QuantizeLinear) is allowed one quantization step more at each output it feeds (:func:`quantization_steps`).
+"""
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx_graphsurgeon as gs
 import torch
 from torch import nn
 
@@ -18,7 +22,7 @@ from kiln.core.compare import masks_of, max_abs_err, value_ordered
 from kiln.core.data import Feed, Inputs, as_feed, from_feed, rows
 from kiln.core.errors import KilnError, ModelError
 from kiln.core.labels import without_padding
-from kiln.core.onnx_io import ort_run, ort_session
+from kiln.core.onnx_io import load_onnx, ort_run, ort_session
 from kiln.core.outputs import named_outputs
 from kiln.core.shapes import Axes, resize
 from kiln.core.text import short_reason
@@ -37,10 +41,13 @@ def parity(
     session: Any = None,
     at: str = "",
     ref: dict[str, np.ndarray] | None = None,
+    refused: str = "",
 ) -> dict[str, Any]:
-    """ONNX Runtime against PyTorch on ``x``: the largest abs error over every output, and per output.
-    ``session``: one already open on ``onnx_path``; ``at``: the sizes ``x`` has, for the messages; ``ref``:
-    PyTorch's outputs on ``x``, where already computed."""
+    """ONNX Runtime against PyTorch on ``x``: the largest abs error over every output, and per output, with the
+    value each error is on (``scale``) and the quantization step each float output may differ by (``step``:
+    :func:`quantization_steps`). ``session``: one already open on ``onnx_path``; ``at``: the sizes ``x`` has, for
+    the messages; ``ref``: PyTorch's outputs on ``x``, where already computed; ``refused``: why the dynamo exporter
+    failed, where the graph is the TorchScript exporter's (for the error on NaN)."""
     if ref is None:
         ref = torch_outputs(model, x)
     sess = session if session is not None else ort_session(onnx_path)
@@ -66,13 +73,16 @@ def parity(
                 f"exported model's output '{name}' has shape {g.shape}{' at ' + at if at else ''}, PyTorch's {r.shape}",
                 hint=FIXED_SIZE_HINT if at else "check the model's outputs for sizes computed outside torch",
             )
-        _refuse_non_finite(name, r, g, at)
+        _refuse_non_finite(name, r, g, at, onnx_path, refused)
     errs = {name: max_abs_err(r, g) for (name, r), g in zip(ref.items(), got)}
     scale = {name: _scale_at_worst(r, g) for (name, r), g in zip(ref.items(), got)}
+    steps = quantization_steps(onnx_path)
+    step = {name: steps[name] for name, r in ref.items() if name in steps and r.dtype.kind == "f"}
     return {
         "max_abs_err": max(errs.values()),
         "per_output": errs,
         "scale": scale,
+        "step": step,
         "samples": rows(x),
         "by_value": by_value,
     }
@@ -95,15 +105,84 @@ def _scale_at_worst(ref: np.ndarray, got: np.ndarray) -> float:
     return float(np.abs(r.flat[int(np.argmax(err))]))
 
 
-def within_parity(errs: Mapping[str, float], scale: Mapping[str, float], atol: float, rtol: float) -> bool:
+def within_parity(
+    errs: Mapping[str, float],
+    scale: Mapping[str, float],
+    atol: float,
+    rtol: float,
+    step: Mapping[str, float] | None = None,
+) -> bool:
     """Whether every output's error (``errs``) is within ``atol + rtol *`` the value it is on (``scale``:
-    :func:`_scale_at_worst`): float rounding grows with the values a graph computes, so each is held to its size."""
-    return all(err <= atol + rtol * scale.get(name, 0.0) for name, err in errs.items())
+    :func:`_scale_at_worst`), plus its quantization step (``step``: :func:`quantization_steps`): float rounding
+    grows with the values a graph computes, so each is held to its size."""
+    return all(err <= _tolerance(name, scale, step or {}, atol, rtol) for name, err in errs.items())
+
+
+def _tolerance(name: str, scale: Mapping[str, float], step: Mapping[str, float], atol: float, rtol: float) -> float:
+    return atol + rtol * scale.get(name, 0.0) + step.get(name, 0.0)
 
 
 def parity_passes(check: Mapping[str, Any], atol: float, rtol: float) -> bool:
     """Whether a :func:`parity` result is within ``atol`` and ``rtol`` (:func:`within_parity`)."""
-    return within_parity(check["per_output"], check["scale"], atol, rtol)
+    return within_parity(check["per_output"], check["scale"], atol, rtol, check.get("step"))
+
+
+def quantization_steps(path: Path) -> dict[str, float]:
+    """Graph output -> the step of the quantization nearest it: the largest scale of the QuantizeLinear nodes that
+    feed it with no other QuantizeLinear between (a constant scale; per channel, the largest). PyTorch's fake
+    quantization rounds ``x * (1 / scale)`` where ONNX's QuantizeLinear rounds ``x / scale``, so a value on a
+    rounding edge lands one step apart in the two runtimes, at any of these nodes: at an output they quantize, that
+    is one step of the output's own grid; past them, one step of the values the rest of the graph computes from, which
+    the model itself knows to no finer step. An error of that much is the model's own resolution, not another
+    function. Outputs no QuantizeLinear feeds (and graphs without one) are not listed."""
+    stat = Path(path).stat()
+    return dict(_steps_of(str(path), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _steps_of(path: str, mtime_ns: int, size: int) -> dict[str, float]:
+    """:func:`quantization_steps` of the file at ``path`` as it is at ``mtime_ns`` and ``size``: read once per
+    export, however many parity checks run on it."""
+    model = load_onnx(path, load_external_data=False)
+    if not any(n.op_type == "QuantizeLinear" for n in model.graph.node):
+        return {}
+    steps = {}
+    for out in gs.import_onnx(model).outputs:
+        nearest = [n for n in _upstream(out, _is_quantize) if _is_quantize(n)]
+        scales = [_constant(n.inputs[1]) for n in nearest if len(n.inputs) > 1]
+        known = [float(np.abs(s).max()) for s in scales if s is not None and s.size]
+        if known:
+            steps[out.name] = max(known)
+    return steps
+
+
+def _is_quantize(node: gs.Node) -> bool:
+    return node.op == "QuantizeLinear"
+
+
+def _upstream(tensor: gs.Tensor, stop: Callable[[gs.Node], bool] = lambda node: False) -> list[gs.Node]:
+    """The nodes on the paths to ``tensor``, each once, walking past none that ``stop`` accepts."""
+    seen: set[int] = set()
+    found: list[gs.Node] = []
+    stack = [tensor]
+    while stack:
+        for node in stack.pop().inputs:
+            if id(node) not in seen:
+                seen.add(id(node))
+                found.append(node)
+                stack.extend([] if stop(node) else node.inputs)
+    return found
+
+
+def _constant(tensor: gs.Tensor) -> np.ndarray | None:
+    """The value of an initializer or of a Constant node's output; None for a computed tensor, or one whose data
+    lies in a file not loaded."""
+    producer = tensor.inputs[0] if tensor.inputs else None
+    value = producer.attrs.get("value") if producer is not None and producer.op == "Constant" else tensor
+    try:
+        return np.asarray(value.values) if isinstance(value, gs.Constant) else None
+    except Exception:  # noqa: BLE001 - external data left unread (the file is read without it)
+        return None
 
 
 def require_parity(check: Mapping[str, Any], atol: float, rtol: float, where: str, advice: str = "") -> None:
@@ -179,21 +258,90 @@ def torch_outputs(model: nn.Module, x: Inputs) -> dict[str, np.ndarray]:
         return {k: v.numpy() for k, v in named_outputs(model, x).items()}
 
 
-def _refuse_non_finite(name: str, ref: np.ndarray, got: np.ndarray, at: str = "") -> None:
+def _refuse_non_finite(
+    name: str, ref: np.ndarray, got: np.ndarray, at: str = "", path: Path | None = None, refused: str = ""
+) -> None:
     """NaN or infinity in the graph's answer where PyTorch's is finite is its own error, named with the samples it
-    hits: as an error size it would read as NaN, which no tolerance catches and no other cause explains."""
+    hits: as an error size it would read as NaN, which no tolerance catches and no other cause explains. The fix
+    follows the ops on the way to the output in the graph at ``path`` (:func:`_non_finite_hint`); ``refused``: why
+    the dynamo exporter failed, where the graph is the TorchScript exporter's."""
     if got.dtype.kind != "f" or got.ndim == 0 or got.size == 0:
         return
     bad = ~np.isfinite(got) & np.isfinite(ref)
     hit = np.flatnonzero(bad.reshape(len(bad), -1).any(axis=1))
     if hit.size:
-        raise ModelError(
+        message = (
             f"the exported graph answers {hit.size} of {len(bad)} samples with NaN or infinity in output '{name}'"
-            f"{' at ' + at if at else ''} where PyTorch's are finite (sample {hit[0]} first)",
-            hint="find what those samples share: a row whose attention keys are all masked is finite in PyTorch's "
-            "attention and NaN in the exported Softmax; keep one key unmasked per sample, or mask those rows' "
-            "outputs after the model",
+            f"{' at ' + at if at else ''} where PyTorch's are finite (sample {hit[0]} first)"
         )
+        makers = _non_finite_makers(path, name) if path is not None else None
+        if makers is None:  # a Softmax on the way (or the graph unread): the attention case
+            raise ModelError(message, hint=ATTENTION_NAN_HINT)
+        hint = _non_finite_hint(makers)
+        if refused:  # the fallback's graph: what made the dynamo exporter fail is what to change
+            fallback = fallback_failed(message, refused)
+            raise ModelError(fallback.message, hint=f"{hint}; {fallback.hint}")
+        find = "return intermediate values as extra outputs to find the first that is NaN, and write it with other ops"
+        raise ModelError(message, hint=f"{hint}; {find}")
+
+
+ATTENTION_NAN_HINT = (
+    "find what those samples share: a row whose attention keys are all masked is finite in PyTorch's attention and "
+    "NaN in the exported Softmax; keep one key unmasked per sample, or mask those rows' outputs after the model"
+)
+
+# Ops that make NaN or infinity from finite inputs, and where
+_NON_FINITE_OPS = {
+    "Sqrt": "Sqrt (NaN below 0)",
+    "Log": "Log (NaN below 0, -inf at 0)",
+    "Div": "Div (NaN at 0 / 0, infinity at x / 0)",
+    "Reciprocal": "Reciprocal (infinity at 0)",
+    "Asin": "Asin (NaN outside [-1, 1])",
+    "Acos": "Acos (NaN outside [-1, 1])",
+    "Acosh": "Acosh (NaN below 1)",
+    "Atanh": "Atanh (NaN outside [-1, 1])",
+}
+
+
+def _non_finite_makers(path: Path, output: str) -> list[str] | None:
+    """The ops on the way to graph output ``output`` that make NaN or infinity from finite inputs, in words (a Pow
+    with a constant fractional exponent by its exponent: NaN of a negative base); None where a Softmax is on the way
+    (a fully masked attention row), the output is not found or the graph cannot be read."""
+    try:
+        graph = gs.import_onnx(load_onnx(path, load_external_data=False))
+    except Exception:  # noqa: BLE001 - the hint only: the error itself stands without it
+        return None
+    tensor = next((t for t in graph.outputs if t.name == output), None)
+    nodes = _upstream(tensor) if tensor is not None else []
+    if tensor is None or any(n.op == "Softmax" for n in nodes):
+        return None
+    found = [_pow_in_words(n) if n.op == "Pow" else _NON_FINITE_OPS.get(n.op) for n in nodes]
+    return list(dict.fromkeys(f for f in found if f))
+
+
+def _pow_in_words(node: gs.Node) -> str | None:
+    """A Pow in words where it can make NaN: a fractional (or computed) exponent of a negative base; None for a
+    constant whole exponent."""
+    exponent = _constant(node.inputs[1]) if len(node.inputs) > 1 else None
+    if exponent is None or exponent.size != 1:
+        return "Pow (NaN of a negative base to a fractional exponent)"
+    value = float(exponent.reshape(-1)[0])
+    return None if value.is_integer() else f"Pow(x, {value:.8g}) (NaN for a negative x)"
+
+
+def _non_finite_hint(makers: list[str]) -> str:
+    """What in the graph turns finite inputs into NaN or infinity (:func:`_non_finite_makers`), in words."""
+    if not makers:
+        return (
+            "no op on the way to that output makes NaN from finite inputs by itself (Sqrt, Log, Div, a fractional "
+            "Pow): an overflow (Exp, a large MatMul) or an op the exporter writes wrongly may"
+        )
+    which = "it meets" if len(makers) == 1 else "one of them meets"
+    return (
+        f"on the way to that output the graph holds {', '.join(makers)}: {which} an input outside its domain where "
+        "PyTorch's op does not, so the exporter wrote that op otherwise than PyTorch computes it (an abs or a clamp "
+        "left out)"
+    )
 
 
 def batch_parity(
@@ -223,13 +371,17 @@ def batch_parity(
             f"the model fails at {at} in PyTorch: {error_reason(exc)}",
             hint="make forward take any batch size: the export's batch axis is dynamic",
         ) from None
-    check, why = _parity_or_why(model, path, x, session, ref)
+    check, why = _parity_or_why(model, path, x, session, ref, refused)
     if check is not None and (parity_passes(check, atol, rtol) or rows(x) == rows(example)):
         return check
-    traced, traced_why = _parity_or_why(model, path, example, session) if rows(x) != rows(example) else (None, why)
+    traced, traced_why = (
+        _parity_or_why(model, path, example, session, refused=refused) if rows(x) != rows(example) else (None, why)
+    )
     # over the tolerance at x only: the batch's doing if the graph gives the traced rows other values within x than
     # alone (a graph that is merely inexact, worst on rows past the traced ones, gives them the same values)
-    moved = check is None or not within_parity(_rows_move(path, session, example, x), check["scale"], atol, rtol)
+    moved = check is None or not within_parity(
+        _rows_move(path, session, example, x), check["scale"], atol, rtol, check.get("step")
+    )
     if traced is not None and parity_passes(traced, atol, rtol) and moved:
         line = batch_pinned_at(model, example)
         raise ModelError(
@@ -281,12 +433,17 @@ def _rows_move(path: Path, session: Any, example: Inputs, x: Inputs) -> dict[str
 
 
 def _parity_or_why(
-    model: nn.Module, path: Path, x: Inputs, session: Any, ref: dict[str, np.ndarray] | None = None
+    model: nn.Module,
+    path: Path,
+    x: Inputs,
+    session: Any,
+    ref: dict[str, np.ndarray] | None = None,
+    refused: str = "",
 ) -> tuple[dict[str, Any] | None, str]:
     """:func:`parity` and its error in words; or None and why the graph cannot compute ``x`` (ONNX Runtime's
     error, an output of another shape). Other errors of Kiln's (NaN where PyTorch is finite) pass through."""
     try:
-        check = parity(model, path, x, session, ref=ref)
+        check = parity(model, path, x, session, ref=ref, refused=refused)
     except ShapeMismatch as exc:
         return None, exc.message
     except KilnError:
@@ -351,7 +508,17 @@ def parity_error(check: dict[str, Any], atol: float, where: str, advice: str = "
     worst, err, top = _worst_output(check, atol, rtol)
     share = f", {err / top:.1%} of the value there, {top:.3g}" if top else ""
     said = f"output '{worst}'{share}" if worst else "all outputs"
-    if not top or err / top > _WRONG_SHARE:
+    step = (check.get("step") or {}).get(worst or "", 0.0)
+    if step:
+        hint = (
+            f"{advice}the graph quantizes (QuantizeLinear) in steps of {step:.3g} on the way to '{worst}': PyTorch's "
+            "fake quantization multiplies by 1/scale where ONNX's divides by scale, so a value on a rounding edge "
+            f"lands one step apart, which the check allows; this error is {err / step:.1f} steps: where rounding "
+            f"apart adds up over several quantized layers, raise export.parity_atol (now {atol:g}) above {err:.3g}; "
+            "else the graph computes something else than the model: return intermediate values as extra outputs to "
+            "find the first that differs by more than a step"
+        )
+    elif not top or err / top > _WRONG_SHARE:
         hint = (
             f"{advice}the graph computes something else than the model there: an op the exporter writes wrongly "
             "(scatter_reduce with reduce='mean', which ONNX lacks), draws random numbers in eval mode or depends on "
@@ -371,15 +538,17 @@ def parity_error(check: dict[str, Any], atol: float, where: str, advice: str = "
 def _worst_output(check: Mapping[str, Any], atol: float, rtol: float) -> tuple[str | None, float, float]:
     """The output of a :func:`parity` result furthest past its tolerance (``atol + rtol *`` the value its error is
     on), its error and that value; no name, the largest error and 0 where it names no outputs."""
-    per, scale = check.get("per_output") or {}, check.get("scale") or {}
+    per, scale, step = check.get("per_output") or {}, check.get("scale") or {}, check.get("step") or {}
     if not per:
         return None, check["max_abs_err"], 0.0
-    worst = max(per, key=lambda name: per[name] / max(atol + rtol * scale.get(name, 0.0), np.finfo(float).tiny))
+    worst = max(per, key=lambda name: per[name] / max(_tolerance(name, scale, step, atol, rtol), np.finfo(float).tiny))
     return worst, per[worst], scale.get(worst, 0.0)
 
 
 def over_tolerance(check: Mapping[str, Any], atol: float, rtol: float) -> str:
-    """``max abs error E > export.parity_atol A + export.parity_rtol R x S``: the worst output's error against its
-    tolerance (:func:`_worst_output`), in words."""
-    _, err, top = _worst_output(check, atol, rtol)
-    return f"max abs error {err:.3g} > export.parity_atol {atol:g} + export.parity_rtol {rtol:g} x {top:.3g}"
+    """``max abs error E > export.parity_atol A + export.parity_rtol R x S`` (``+ one quantization step Q`` where
+    the output has one): the worst output's error against its tolerance (:func:`_worst_output`), in words."""
+    worst, err, top = _worst_output(check, atol, rtol)
+    step = (check.get("step") or {}).get(worst or "", 0.0)
+    plus = f" + one quantization step {step:.3g}" if step else ""
+    return f"max abs error {err:.3g} > export.parity_atol {atol:g} + export.parity_rtol {rtol:g} x {top:.3g}{plus}"
