@@ -70,7 +70,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
         if on_random_inputs(ctx.config.model, ctx.config.data):  # said now, not after optimize
             specs, _ = io_specs(load_onnx(ctx.config.model.onnx, load_external_data=False))
             random_axis_size(Path(ctx.config.model.onnx), specs, ctx.config.signature)
-        summary = take_onnx(Path(ctx.config.model.onnx), ctx.out / "model.onnx")
+        summary = take_onnx(Path(ctx.config.model.onnx), ctx.out / "model.onnx", ctx.config.signature.dynamic_axes)
         if not on_random_inputs(ctx.config.model, ctx.config.data):
             src = Path(ctx.config.model.onnx)
             refuse_outside_index(ctx.dataset(), ctx.out / "model.onnx", src.name, ctx.config.data.name or "the data")

@@ -67,3 +67,22 @@ def test_axes_named_apart_or_unnamed_take_one_name(tmp_path: Path) -> None:
 def test_without_dynamic_axes_the_files_names_stay(tmp_path: Path) -> None:
     take_onnx(_pair(tmp_path / "m.onnx", "mlen"), tmp_path / "model.onnx")
     assert _shapes(tmp_path / "model.onnx")["mask"] == ["batch", "mlen"]
+
+
+def test_a_run_from_the_file_exports_its_axes_under_the_configs_names(tmp_path: Path) -> None:
+    """``kiln run`` with ``model.onnx`` and ``signature.dynamic_axes`` renaming the file's axes: the export stage's
+    copy carries the config's names, which the later stages size the engines by."""
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    src = _pair(tmp_path / "m.onnx")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model: {{onnx: {src}}}\n"
+        "signature: {dynamic_axes: {ids: {1: seq}, mask: {1: seq}}, shapes: {seq: [4, 8]}}\n"
+    )
+    args = ["run", str(config), "-w", str(tmp_path / "w"), "--until", "export", "--quiet"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert _shapes(tmp_path / "w" / "export" / "model.onnx")["ids"] == ["batch", "seq"]
