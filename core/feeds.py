@@ -46,11 +46,23 @@ def read_feed(
         except ValueError as exc:  # an array of Python objects needs pickle, which is never enabled
             raise InputFileError(f"inputs {path} holds pickled objects ({exc})", hint=hint) from None
     if sorted(feed) != sorted(names):
-        raise InputFileError(f"inputs {path} has arrays {sorted(feed)}; {taker} takes {sorted(names)}", hint=hint)
+        raise InputFileError(
+            f"inputs {path} has arrays {sorted(feed)}; {taker} takes {sorted(names)}{_apart(feed, names)}", hint=hint
+        )
     if batched:
         feed = whole_batches(feed, specs, str(path), taker)
     check_feed(feed, specs, str(path), taker, batched, npz=True)
     return feed
+
+
+def _apart(feed: dict[str, np.ndarray], names: list[str]) -> str:
+    """What sets a file's array names apart from the inputs: `` (missing 'control'; not an input: 'txt')``."""
+    missing = [n for n in names if n not in feed]
+    extra = [n for n in feed if n not in names]
+    said = ([f"missing {', '.join(map(repr, missing))}"] if missing else []) + (
+        [f"not an input: {', '.join(map(repr, extra))}"] if extra else []
+    )
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def _savez_call(names: list[str]) -> str:

@@ -130,3 +130,13 @@ def test_batches_of_inputs_in_counts_of_their_own_hold_rows_of_every_input() -> 
     assert np.concatenate([p["texts"] for p in parts]).tolist() == list(range(40))
     two = in_batches({"texts": np.arange(40), "images": np.arange(2)}, 16)  # fewer images than batches: repeated
     assert [p["images"].tolist() for p in two] == [[0], [1], [0]]
+
+
+def test_arrays_named_apart_from_the_inputs_are_named(tmp_path: Path) -> None:
+    """A file missing one input and holding another under a wrong name says which is which."""
+    path = tmp_path / "x.npz"
+    np.savez(path, txt=np.zeros((2, 4), np.float32), image=np.zeros((2, 3, 4, 4), np.float32))
+    specs = [*FIXED, TensorSpec(name="text", shape=["batch", 4], dtype="float32")]
+    with pytest.raises(InputFileError) as err:
+        read_feed(path, specs, "the model")
+    assert "(missing 'text'; not an input: 'txt')" in err.value.message
