@@ -29,7 +29,12 @@ PARSER_HINTS: list[tuple[str, str]] = [
         "TensorRT takes INT8/FP8 Q/DQ on activations and weights only; keep biases FP32 "
         "(onnxruntime quantize_static extra_options QuantizeBias=False) and use symmetric scales",
     ),
-    ("QuantizeLinear", "TensorRT needs symmetric quantization (zero point 0): ActivationSymmetric/WeightSymmetric"),
+    (
+        "QuantizeLinear",
+        "TensorRT needs symmetric quantization (zero point 0): onnxruntime.quantization's "
+        "ActivationSymmetric/WeightSymmetric; a QAT model's qconfig with qscheme=torch.per_tensor_symmetric (or "
+        "per_channel_symmetric) and dtype=torch.qint8",
+    ),
     (
         "No importer registered",
         "TensorRT has no importer for this op: rewrite it in the optimize stage, export "

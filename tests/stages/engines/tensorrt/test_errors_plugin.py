@@ -44,3 +44,10 @@ def test_nonzero_without_its_plugin_is_told_to_compute_without_it(tmp_path: Path
         pytest.skip(f"this {trt.__name__} {trt.__version__} imports NonZero")
     assert "NonZero as a plugin this TensorRT build lacks" in hint and "torch.nonzero" in hint
     assert "onnxruntime backend" in hint and "opset" not in hint
+
+
+def test_a_zero_point_refusal_names_the_qat_qconfig_too() -> None:
+    """A QAT model's asymmetric fake-quant exports non-zero zero points: the fix names the qconfig that avoids them,
+    not only onnxruntime.quantization's options."""
+    hint = parser_hint("QuantizeLinear", "Assertion failed: zero point must be 0")
+    assert "qscheme=torch.per_tensor_symmetric" in hint and "ActivationSymmetric" in hint
