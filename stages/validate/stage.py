@@ -297,8 +297,9 @@ def time_interleaved(
     spreads = sorted(p.spread for lat in out.values() for p in lat.values() if p.spread is not None)
     median_spread = spreads[len(spreads) // 2] if spreads else None
     busy = median_spread is not None and median_spread > BUSY_SPREAD
+    run = [len(p.rounds) for lat in out.values() for p in lat.values()]
     info = {
-        "rounds": cfg.rounds,
+        "rounds": max(run) if run else cfg.rounds,  # what ran: at least MIN_ROUNDS, fewer than asked once spent
         "cpus": os.cpu_count(),
         "load_before": round(load_before, 2),
         "load_after": round(os.getloadavg()[0], 2),
