@@ -654,7 +654,9 @@ def _accuracy_table(v: Any, fmt: Callable[..., str]) -> Table:
     no two columns read alike (on two lines: the table stays within 80 columns)."""
     table = Table(title="Accuracy against the reference", show_edge=False)
     metric = v.baseline.metric_name  # validate.metric: the user's own number, beside the built-in ones
-    columns = ("engine", "passed", "cosine", "top-1", "accuracy")
+    # a multi-label head's class logits are held to decision agreement, as report.md heads it
+    agree = "decision" if any(getattr(e, "agreement", "top1") == "decision" for e in v.engines) else "top-1"
+    columns = ("engine", "passed", "cosine", agree, "accuracy")
     own_column = [f"metric:\n{metric}" if metric in columns else metric] if metric else []
     for col in (*columns, *own_column):
         table.add_column(col, no_wrap=True)

@@ -48,6 +48,7 @@ from kiln.stages.accuracy.metrics import (
     BOX_FORMAT,
     Metric,
     against_reference,
+    decided_by,
     decision_threshold,
     default_metric,
     metric_labels,
@@ -990,10 +991,11 @@ def _misfit_labels_hint(logits: np.ndarray, labels: np.ndarray) -> str:
     """The fix for held-out labels that do not fit the class logits: 0/1 targets shaped like them are a multi-label
     head's; integer labels of a row each beside logits of a row each are several targets per sample (a multi-task
     model's), which only a metric of the user's reads."""
-    if tuple(labels.shape) == tuple(logits.shape):
+    if tuple(labels.shape) == tuple(logits.shape) and bool(np.isin(labels, (0, 1)).all()):
         return (
-            "multi-label 0/1 targets shaped like the logits: return them as floats (each output is then held to its "
-            "relative error; validate.metric: multilabel_f1 scores them)"
+            "multi-label targets: cast them to float (return them as floats, y.float(), from the data function), with "
+            "train.loss: torch.nn.functional:binary_cross_entropy_with_logits and validate.metric: multilabel_f1 "
+            "(each label's decision is then held to agreement with the reference)"
         )
     if labels.ndim == logits.ndim == 2 and labels.dtype.kind in "iu":
         return (
@@ -1088,6 +1090,8 @@ def held_out_reference(
                 ref.metric_value,
             )
     ref.metric = scaled_by(ref.metric, ref.targets)
+    if ref.score is not None:  # a decision threshold is the reference's, the same for every engine
+        ref.metric = decided_by(ref.metric, ref.outputs[ref.score])
     return ref
 
 
@@ -1358,11 +1362,20 @@ def multi_label_default(outputs: dict[str, np.ndarray], data: DatasetSplits | No
     """The default class-logit output (:func:`~kiln.core.outputs.logits_name`) where it is a multi-label head's
     (:func:`multi_hot`) and the data's ``num_classes`` is its number of labels: as for float 0/1 targets of one
     logit (:func:`binary_task`), float 0/1 targets alone may be a least-squares rate's, whose decision is no logit
-    above 0. None elsewhere."""
+    above 0. None elsewhere; a ConfigError where the data declares another ``num_classes`` than the head's width,
+    which would leave the decisions ungated with no word."""
     name = logits_name(list(outputs), None)
     if data is None or name is None or not multi_hot(data.val_y, outputs.get(name)):
         return None
-    return name if outputs[name].shape[class_axis(outputs[name].ndim)] == data.num_classes else None
+    width = outputs[name].shape[class_axis(outputs[name].ndim)]
+    if data.num_classes > 0 and width != data.num_classes:  # the gate on each decision would be off, unsaid
+        raise ConfigError(
+            f"the multi-hot targets of output '{name}' hold {width} labels per row, the dataset declares "
+            f"num_classes={data.num_classes}: validation holds each label's decision to agreement only where they "
+            "are the same number",
+            hint=f"set num_classes={width} (the label width) in DatasetSplits",
+        )
+    return name if width == data.num_classes else None
 
 
 def binary_accuracy(logits: np.ndarray, labels: np.ndarray, at: float) -> float | None:

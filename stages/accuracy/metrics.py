@@ -69,11 +69,13 @@ class Metric:
     default: bool = False
     scale: float | None = None  # what a relative drop is over: the targets' spread in the metric's units (scaled_by)
     versus_reference: bool = False
+    threshold: float | None = None  # multilabel_f1's decision threshold, read off the reference (decided_by)
 
     def __call__(self, outputs: dict[str, np.ndarray], labels: Labels) -> float:
         """The metric of ``outputs``; the user's function failing is their error, named with what Kiln was doing."""
         try:
-            returned = self.fn(outputs, labels)
+            held = {} if self.threshold is None else {"threshold": self.threshold}
+            returned = self.fn(outputs, labels, **held)
         except KilnError:  # a built-in's own error, with its own fix
             raise
         except Exception as exc:  # the user's function (or a built-in on outputs it does not fit): one line
@@ -142,6 +144,17 @@ def _labels_said(labels: Labels) -> str:
 
 def _labels_kind(labels: Labels) -> str:
     return "dict of name -> the reference's array" if isinstance(labels, dict) else "array"
+
+
+def decided_by(metric: Metric | None, reference: dict[str, np.ndarray]) -> Metric | None:
+    """``metric`` with the decision threshold of ``multilabel_f1`` read once off the reference's outputs
+    (``reference``, at the scored point): 0.5 for probabilities, 0 for logits (:func:`decision_threshold`). Read off
+    each engine's own scores, one value strayed below 0 would move an engine from 0.5 to 0 and score it by another
+    decision than the reference and the agreement gate use. Other metrics as they are."""
+    if metric is None or metric.name != "multilabel_f1" or not hasattr(metric.fn, "logits") or not reference:
+        return metric
+    logits = metric.fn.logits  # type: ignore[attr-defined]  # set by _on_logits
+    return replace(metric, threshold=decision_threshold(_pick(reference, logits)))
 
 
 def scaled_by(metric: Metric | None, targets: np.ndarray | None) -> Metric | None:
@@ -243,8 +256,10 @@ def default_metric(outputs: dict[str, np.ndarray], targets: np.ndarray, logits: 
 
 
 def _on_logits(fn: Callable[..., float], logits: str | None, name: str) -> MetricFn:
-    def metric(outputs: dict[str, np.ndarray], labels: np.ndarray) -> float:
-        return fn(outputs, labels, logits)
+    def metric(outputs: dict[str, np.ndarray], labels: np.ndarray, **held: float) -> float:
+        return fn(outputs, labels, logits, **held)
+
+    metric.logits = logits  # type: ignore[attr-defined]  # the output it reads, for decided_by
 
     metric.__name__ = name
     return metric
@@ -304,16 +319,21 @@ def _macro_f1(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | 
     return float(np.mean(scores))
 
 
-def _multilabel_f1(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
+def _multilabel_f1(
+    outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None, threshold: float | None = None
+) -> float:
     """Micro-averaged F1 of a multi-label head: scores ``[N, K]`` (one per label) against 0/1 targets of the same
     shape; every (row, label) pair counts once. A label is predicted where its logit is above 0, or, for a head
-    that ends in a sigmoid (every score within [0, 1]), where its probability is above 0.5: the same decision."""
+    that ends in a sigmoid (every score within [0, 1]), where its probability is above 0.5: the same decision.
+    ``threshold``: the one read off the reference's scores (:func:`decided_by`), so that an engine whose score
+    strays just below 0 is not judged by another threshold than the reference; else read off ``outputs``."""
     out = _pick(outputs, logits)
     if out.shape != labels.shape:
         raise ValueError(
             f"multilabel_f1 takes 0/1 targets shaped like the logits {list(out.shape)}, not {list(labels.shape)}"
         )
-    pred, y = out > decision_threshold(out), labels > 0.5
+    at = decision_threshold(out) if threshold is None else threshold
+    pred, y = out > at, labels > 0.5
     tp = np.sum(pred & y)
     denom = np.sum(pred) + np.sum(y)
     return float(2.0 * tp / denom) if denom else 1.0  # nothing predicted, nothing to find: perfect

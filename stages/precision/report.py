@@ -1,11 +1,11 @@
 """The precision variants' section of report.md: nodes kept FP32 (with the PyTorch module each came from), each
-variant's agreement with the FP32 graph (top-1 agreement where an output is class logits, else cosine and relative
-error), failed variants, and the per-node error plot."""
+variant's agreement with the FP32 graph (top-1 agreement where an output is class logits, a multi-label head's
+decision agreement, else cosine and relative error), failed variants, and the per-node error plot."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kiln.core.text import fmt
@@ -85,13 +85,19 @@ def _columns(variants: dict[str, dict[str, Any]], logits: bool) -> list[tuple[st
     variants were judged by one (:func:`class_logits`), else the worst sample's cosine (the whole output's where no
     variant records a sample's) and the relative error (where one is recorded)."""
     if logits:
-        return [("top-1 agreement vs FP32 graph", lambda v: fmt(v.get("top1_agreement")))]
+        return [(f"{agreement_word(variants.values())} vs FP32 graph", lambda v: fmt(v.get("top1_agreement")))]
     key = "sample_cosine" if _records(variants, "sample_cosine") else "cosine"
     head = "worst-sample cosine vs FP32 graph" if key == "sample_cosine" else "cosine vs FP32 graph"
     columns = [(head, lambda v: fmt(v.get(key), ".6f"))]
     if _records(variants, "rel_err"):
         columns.append(("relative error vs FP32 graph", lambda v: _rel(v.get("rel_err"))))
     return columns
+
+
+def agreement_word(records: Iterable[dict[str, Any]]) -> str:
+    """What the class logits' agreement counted, as validation's report heads it: a multi-label head's
+    ``top1_agreement`` is its decision agreement (a record's ``agreement``: ``"decision"``), else top-1."""
+    return "decision agreement" if any(r.get("agreement") == "decision" for r in records) else "top-1 agreement"
 
 
 def _records(variants: dict[str, dict[str, Any]], key: str) -> bool:
@@ -105,7 +111,7 @@ def vs_fp32_text(vs: dict[str, Any], logits: bool | None = None) -> str:
     cosine and relative error it records (the cosine always where it has no top-1 agreement)."""
     said = []
     if logits or (logits is None and vs.get("top1_agreement") is not None):
-        said.append(f"top-1 agreement {fmt(vs.get('top1_agreement'))}")
+        said.append(f"{agreement_word([vs])} {fmt(vs.get('top1_agreement'))}")
     if vs.get("cosine") is not None or not said:
         said.append(f"cosine {fmt(vs.get('cosine'), '.6f')}")
     if vs.get("sample_cosine") is not None:
@@ -118,7 +124,7 @@ def vs_fp32_text(vs: dict[str, Any], logits: bool | None = None) -> str:
 def _ort_cpu_figures(v: dict[str, Any]) -> dict[str, Any]:
     """The ONNX Runtime CPU graph's own check against the FP32 graph, as :func:`vs_fp32_text` reads one."""
     keys = ("top1_agreement", "cosine", "sample_cosine", "rel_err")
-    return {k: v.get(f"ort_cpu_{k}") for k in keys}
+    return {"agreement": v.get("ort_cpu_agreement", v.get("agreement")), **{k: v.get(f"ort_cpu_{k}") for k in keys}}
 
 
 def _rel(value: float | None) -> str:

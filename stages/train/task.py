@@ -20,7 +20,7 @@ import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -184,8 +184,9 @@ def scoring_task(data: DatasetSplits, loss: str | None, logits_output: str | int
     """The task the val accuracy of a model not trained here is read by, or None where there is none to read (float
     targets beside train.loss). With train.loss, :func:`no_loss` takes its place: the checks stay those of a user
     loss (labels of its own kind are not refused), and the loss itself is never called."""
-    if loss is None:
-        return replace(task_for(data, None, logits_output), trains=False)
+    if loss is None:  # nothing trains: the warnings of what a loss would make of the labels do not apply
+        warn_label_inputs(data)
+        return Task("classification" if data.classification else "regression", logits_output, trains=False)
     warn_label_inputs(data)
     return Task("classification", logits_output, no_loss) if data.classification else None
 
@@ -376,17 +377,37 @@ DECODER_FIX = (
 )
 
 
+def _too_few_classes(target: torch.Tensor, num_classes: int, output: str | None) -> ModelError:
+    """The error for class logits per position shaped like the labels but with fewer classes than the dataset
+    declares: the head's size and ``num_classes`` disagree, not the shapes."""
+    count = target.shape[class_axis(target.ndim)]
+    named = f"output '{output}'" if output is not None else f"the class-logit output {tuple(target.shape)}"
+    return ModelError(
+        f"{named} has {count} class{'es' if count != 1 else ''}, the dataset declares num_classes={num_classes}",
+        hint=f"make the model's head {num_classes} classes wide (num_labels in a transformers config), or set "
+        f"num_classes={count} in DatasetSplits if the labels hold {count} classes",
+    )
+
+
 def check_positions(
-    target: torch.Tensor, y: torch.Tensor, num_classes: int, model_ref: str, lacks_decoder: bool = False
+    target: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    model_ref: str,
+    lacks_decoder: bool = False,
+    output: str | None = None,
 ) -> None:
-    """Class logits ``target`` fit labels per position ``y``: one row of class scores per labelled position, which
-    accuracy and top-1 agreement read. Logits at a fraction of the labels' size (a SegFormer's, at a quarter) are
-    not scaled up by Kiln: the fix says how. ``lacks_decoder``: the model's forward takes ``decoder_input_ids`` the
-    data does not give, the likely cause of logits of another length (:data:`DECODER_FIX`)."""
+    """Class logits ``target`` (the model's output ``output``) fit labels per position ``y``: one row of class
+    scores per labelled position, which accuracy and top-1 agreement read. Logits at a fraction of the labels' size
+    (a SegFormer's, at a quarter) are not scaled up by Kiln: the fix says how. ``lacks_decoder``: the model's forward
+    takes ``decoder_input_ids`` the data does not give, the likely cause of logits of another length
+    (:data:`DECODER_FIX`)."""
     axis = class_axis(target.ndim)
     positions = _positions(target)
     if positions == tuple(y.shape) and target.shape[axis] >= max(num_classes, 2):
         return
+    if positions == tuple(y.shape) and target.shape[axis] < num_classes:  # the positions fit; the classes do not
+        raise _too_few_classes(target, num_classes, output)
     if _at_a_fraction(positions, y):
         hint = (
             f"return the logits at the labels' size {tuple(y.shape[1:])} (a wrapper's forward: "
@@ -633,6 +654,46 @@ def _say_unscored(task: Task, target: torch.Tensor, y: torch.Tensor) -> None:
     )
 
 
+def _logits_output(task: Task, out: Any) -> str | None:
+    """The name of the output the built-in loss reads, for messages; None where no one output is it."""
+    try:
+        return logits_name(list(flatten_outputs(out)), task.logits_output)
+    except ConfigError:
+        return None
+
+
+def _check_zero_one_targets(task: Task, out: Any, y: torch.Tensor, num_classes: int) -> None:
+    """0/1 targets shaped like the class-logit output (a multi-label head's ``[N, K]``) must be float, which is what
+    marks them as multi-label decisions beside validation's agreement gate and ``multilabel_f1``, and as wide as the
+    dataset's ``num_classes``, or the gate on each label's decision is not applied. Said before training, where
+    integer ones fail only after it (validation reads integer labels as class indices, one per row)."""
+    if y.ndim < 2 or not bool(((y == 0) | (y == 1)).all()) or not bool((y == 1).any()):  # all 0: nothing to tell
+        return
+    try:
+        target = task.target(out)
+    except ConfigError:  # no one class-logit output: nothing for the targets to be shaped like
+        return
+    axis = _targets_class_axis(y)
+    if tuple(target.shape) != tuple(y.shape) or y.shape[axis] < 2:
+        return
+    if not y.is_floating_point():
+        argmax = "y.argmax(1)" if axis == 1 else "y.argmax(-1)"
+        raise ConfigError(
+            f"the labels are integer 0/1 {list(y.shape)}, shaped like the class-logit output {list(target.shape)}: "
+            "integer labels are class indices, one per row (or position), not a 0/1 entry per class",
+            hint="multi-label targets: cast them to float (y.float()) in the data function, with train.loss: "
+            "torch.nn.functional:binary_cross_entropy_with_logits and validate.metric: multilabel_f1; one-hot class "
+            f"labels: pass class indices ({argmax})",
+        )
+    if num_classes > 0 and y.shape[axis] != num_classes:
+        raise ConfigError(
+            f"the 0/1 targets {list(y.shape)} hold {y.shape[axis]} labels per row, the dataset declares "
+            f"num_classes={num_classes}: validation holds each label's decision to agreement only where they are "
+            "the same number",
+            hint=f"set num_classes={y.shape[axis]} (the label width) in DatasetSplits",
+        )
+
+
 def check_task(
     task: Task,
     out: Any,
@@ -646,6 +707,7 @@ def check_task(
     ``lacks_decoder``: the model takes decoder inputs the data does not give (:func:`check_positions`); ``sizes``:
     the inputs' sizes past their batch axis, which labels per position follow
     (:func:`~kiln.core.labels.follows_positions`)."""
+    _check_zero_one_targets(task, out, y, num_classes)
     if task.user_loss is not None:
         doing = "trying train.loss on the model's outputs for two samples"
         with loss_errors(task, doing, lambda exc: _loss_fix(task, out, y, exc)):
@@ -662,14 +724,14 @@ def check_task(
         if target.ndim != y.ndim + 1:  # labels of another kind beside the user's loss (multi-hot): none read
             return
         if _positions(target) == tuple(y.shape) or _at_a_fraction(_positions(target), y):
-            check_positions(target, y, num_classes, model_ref)
+            check_positions(target, y, num_classes, model_ref, output=_logits_output(task, out))
         else:
             _say_unscored(task, target, y)
         return
     target = task.target(out)
     check_rows(target, len(y))
     if task.kind == "classification" and labels.follows_positions(y, target, flatten_outputs(out).values(), sizes):
-        check_positions(target, y, num_classes, model_ref, lacks_decoder)
+        check_positions(target, y, num_classes, model_ref, lacks_decoder, _logits_output(task, out))
     elif task.kind == "classification" and labels.per_position(y):  # targets per sample: no class count to check
         if task.trains:
             raise _several_targets(target, y, model_ref)
