@@ -506,7 +506,7 @@ class PrecisionVariant(Part):
     kept_fp32: list[str] = Field(default_factory=list)
     reasons: dict[str, str] = Field(default_factory=dict)  # node -> why it stayed FP32
     backend_paths: dict[str, str] = Field(default_factory=dict)
-    vs_fp32: dict[str, float | None] | None = None  # comparator statistics against the FP32 graph
+    vs_fp32: dict[str, Any] | None = None  # comparator statistics against the FP32 graph (and what top-1 counted)
     fallback_passed: bool = True
     unmade: str | None = None  # why ``path`` (the graph every backend without its own reads) was not made
     report: dict[str, Any] = Field(default_factory=dict)

@@ -40,7 +40,7 @@ def remove_cast_chains(model: onnx.ModelProto, original: set[str] | None = None)
     own FP32->INT64 cast behind a kept-FP32 node gets an FP16 cast put in front of it, and collapsing that pair
     restores the model's own cast.
     """
-    graph = gs.import_onnx(model)
+    graph = gs.import_onnx(_typed_empty_constants(model))
     total = 0
     while True:  # a removal can expose another (a cast made dead only goes away in cleanup)
         changed = _one_pass(graph, original)
@@ -51,6 +51,25 @@ def remove_cast_chains(model: onnx.ModelProto, original: set[str] | None = None)
     out = gs.export_onnx(graph)
     out.ir_version = model.ir_version
     return out, total
+
+
+# A Constant's list attribute -> the element type of the tensor that says the same (an empty list carries no type)
+_LIST_TYPES = {"value_ints": onnx.TensorProto.INT64, "value_floats": onnx.TensorProto.FLOAT}
+
+
+def _typed_empty_constants(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each Constant whose ``value_ints``/``value_floats`` is empty holding an empty typed ``value``
+    tensor instead (the same constant, rewritten in place): onnx-graphsurgeon cannot write an empty list attribute
+    back, its type being inferred from the elements, and exporters (torch.export's) write such Constants."""
+    for node in model.graph.node:
+        if node.op_type != "Constant" or len(node.attribute) != 1:
+            continue
+        attr = node.attribute[0]
+        if attr.name in _LIST_TYPES and not attr.ints and not attr.floats:
+            empty = helper.make_tensor("value", _LIST_TYPES[attr.name], [0], [])
+            node.ClearField("attribute")
+            node.attribute.append(helper.make_attribute("value", empty))
+    return model
 
 
 def _one_pass(graph: gs.Graph, original: set[str] | None = None) -> int:

@@ -291,11 +291,12 @@ def _next_picks(
     quantized: bool,
     label: str,
 ) -> tuple[dict[str, str], list[str], tuple[frozenset[str], Path] | None]:
-    """The nodes the next round keeps in float, blamed on the round's graph at ``path`` (its ``verdict``'s flipped
-    samples first). In a quantized graph, only nodes whose keeping changes it: picks that leave it as it was (its
-    file the same) are no round, passed over for the next ones (:func:`_changing_picks`). Returns the picks, the
-    nodes passed over, and the graph built for the picks (the next round's; None where none was built)."""
-    samples = _informative(check.samples, verdict.ref, verdict.got)
+    """The nodes the next round keeps in float, blamed on the round's graph at ``path`` at the shapes its ``verdict``
+    missed the gates at (:attr:`Verdict.missed`; its flipped samples first). In a quantized graph, only nodes
+    whose keeping changes it: picks that leave it as it was (its file the same) are no round, passed over for the next
+    ones (:func:`_changing_picks`). Returns the picks, the nodes passed over, and the graph built for the picks (the
+    next round's; None where none was built)."""
+    samples = [_informative(x, verdict.ref, verdict.got) for x in verdict.missed or [check.samples]]
 
     def pick(skip: set[str]) -> dict[str, str]:
         return blame(check.fp32, path, samples, candidates - skip, set(kept), cfg.nodes_per_round, quantized)
@@ -455,7 +456,12 @@ def _feeds(consumer: str, state: str = "kept FP32") -> str:
 
 
 def _informative(x: Samples, ref: np.ndarray, got: np.ndarray) -> Samples:
-    """Samples whose prediction flipped first (they show the damage), topped up with the rest."""
+    """Samples whose prediction flipped first (they show the damage), topped up with the rest. ``ref`` and ``got``
+    are the judged output at the last validated shape; ``x`` may hold the same rows at another one, where the rows
+    flipped there come first too (rows of another count: the first ones)."""
+    rows = len(next(iter(x.values()))) if isinstance(x, dict) else len(x)
+    if rows != len(ref):
+        return take_rows(x, slice(0, BLAME_SAMPLES))
     flipped = ref.reshape(len(ref), -1).argmax(1) != got.reshape(len(got), -1).argmax(1)
     order = np.concatenate([np.flatnonzero(flipped), np.flatnonzero(~flipped)])
     return take_rows(x, order[:BLAME_SAMPLES])
@@ -464,7 +470,7 @@ def _informative(x: Samples, ref: np.ndarray, got: np.ndarray) -> Samples:
 def blame(
     fp32: onnx.ModelProto,
     model: Path,
-    x: Samples,
+    x: Samples | list[Samples],
     candidates: set[str],
     kept: set[str],
     count: int,
@@ -475,13 +481,14 @@ def blame(
     fused a Relu into its Conv, the Conv is scored on its own output and the Relu, which has no counterpart, is
     not scored; an input without a counterpart carries the error measured nearest upstream, not none. In a
     ``quantized`` graph an op of :data:`CARRIES` is not scored itself: its output's error is its owner's
-    (:func:`_owner`) against that one's inputs, the quantization it carries being that node's."""
+    (:func:`_owner`) against that one's inputs, the quantization it carries being that node's. ``x``: the samples,
+    or the same samples at several shapes (those a gate was missed at), each tensor's error its worst among them."""
     variant = onnx.load(str(model), load_external_data=False)
     nodes = [n for n in fp32.graph.node if n.op_type not in INDEX_OPS and n.output]
     float_tensors = _float_tensors(fp32)
     names = matching_tensors(fp32, variant)
     tensors = sorted({o for n in nodes for o in n.output if o in float_tensors and o in names})
-    err = tensor_errors(fp32, model, x, tensors, names)
+    err = _worst_errors([tensor_errors(fp32, model, s, tensors, names) for s in (x if isinstance(x, list) else [x])])
     carried = _carried_errors(fp32, err, float_tensors)
     fused = _fused_into(fp32, variant)
     producers = {o: n for n in fp32.graph.node for o in n.output}
@@ -546,6 +553,17 @@ def _reason(jump: float, out_err: float, fused: list[str], via: onnx.NodeProto |
     within = f"; {', '.join(fused)} fused into it by the quantizer" if fused else ""
     seen = f" at {via.name}'s output (a {via.op_type}, which passes this node's output on)" if via is not None else ""
     return f"output error {out_err:.3g}{seen} vs inputs' {out_err - jump:.3g} (relative L2 vs FP32{within})"
+
+
+def _worst_errors(errors: list[dict[str, float]]) -> dict[str, float]:
+    """Each tensor's worst error over several shapes' measurements: a non-finite one (an overflow) before any."""
+    worst: dict[str, float] = {}
+    for err in errors:
+        for name, value in err.items():
+            before = worst.get(name)
+            if before is None or (np.isfinite(before) and (not np.isfinite(value) or value > before)):
+                worst[name] = value
+    return worst
 
 
 def _carried_errors(fp32: onnx.ModelProto, err: dict[str, float], float_tensors: set[str]) -> dict[str, float]:

@@ -9,7 +9,7 @@ gate the engine will face, not at a stricter or looser target of its own.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,8 @@ class Verdict:
     failures: list[str]
     ref: np.ndarray  # the gated class-logit output (else the first gated) at the data's own shape: FP32's...
     got: np.ndarray  # ...and the candidate's, for choosing the samples the fallback's blame looks at
+    # the held-out inputs at the shapes it missed a gate at, where the fallback blames nodes (empty: GateCheck.samples)
+    missed: list[Feed] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -115,6 +117,7 @@ class GateCheck:
         key = _judged_output(self.ref.logits, list(self.ref.outputs[-1]), gates)
         metrics = {
             "top1_agreement": _agreement(entry),
+            "agreement": entry.agreement,  # what top1_agreement counted: top-1, or a multi-label head's decisions
             "top1_ties": entry.top1_ties,
             "cosine": entry.cosine,
             "sample_cosine": _worst_sample(entry),
@@ -125,7 +128,7 @@ class GateCheck:
             "samples": len(self.ref.outputs[-1][key]),
         }
         assert found.last is not None  # the data's own shape is always validated on a graph of any shape
-        return Verdict(metrics, failures, self.ref.outputs[-1][key], found.last[key])
+        return Verdict(metrics, failures, self.ref.outputs[-1][key], found.last[key], self.missed_feeds(failures))
 
     def _failures(
         self, found: Comparison, gates: dict[str, Any], precision: str, extra: FallbackConfig | None
@@ -153,6 +156,18 @@ class GateCheck:
         for failure in failures:
             points += [p for p in self.missed.get(failure, []) if p not in points]
         return points
+
+    def missed_feeds(self, failures: list[str]) -> list[Feed]:
+        """The held-out inputs at each shape the ``failures`` of a verdict were missed at (:meth:`missed_at`), where
+        the fallback looks for the nodes to blame: a graph may go wrong at one validated shape only. The last validated
+        shape (:attr:`samples`, whose outputs a :class:`Verdict` holds) too where a failure names no shape, and alone
+        where none does."""
+        points = self.missed_at(failures)
+        feeds = [feed for p in points for point, feed in self.ref.feeds if point == p]
+        unplaced = any(f not in self.missed for f in failures)
+        if (unplaced or not feeds) and not any(f is self.samples for f in feeds):
+            feeds.append(self.samples)
+        return feeds
 
     def time_graphs(self, graphs: dict[str, Path], rounds: int = MIN_ROUNDS) -> dict[str, tuple[float, float, float]]:
         """p50 ms and its 95 % interval of each graph in ONNX Runtime on the held-out samples at the largest batch,

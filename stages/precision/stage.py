@@ -574,7 +574,10 @@ def _ort_cpu_summary(ort: dict[str, Any]) -> dict[str, Any]:
     """The ORT CPU graph's own accuracy check: ORT CPU engines run it, not the Q/DQ graph."""
     return {
         "ort_cpu_scheme": ort["scheme"],
-        **{f"ort_cpu_{k}": ort["vs_fp32"].get(k) for k in ("top1_agreement", "cosine", "sample_cosine", "rel_err")},
+        **{
+            f"ort_cpu_{k}": ort["vs_fp32"].get(k)
+            for k in ("top1_agreement", "agreement", "cosine", "sample_cosine", "rel_err")
+        },
         "ort_cpu_kept_fp32": len(ort["kept_fp32"]),
         "ort_cpu_fallback_passed": ort["fallback"]["passed"],
         "ort_cpu_kept_fp32_nodes": ort["reasons"],

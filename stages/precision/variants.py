@@ -687,9 +687,10 @@ def _entry(out: Path, kept: dict[str, str], res: FallbackResult, extra: dict[str
     }
 
 
-def _vs_fp32(res: FallbackResult) -> dict[str, float | None]:
+def _vs_fp32(res: FallbackResult) -> dict[str, Any]:
     keys = (
         "top1_agreement",
+        "agreement",
         "top1_ties",
         "cosine",
         "sample_cosine",
