@@ -20,7 +20,16 @@ from kiln.stages.validate.declaration import REQUIRED, UNVALIDATED
 from kiln.stages.validate.report import inputs_record
 from kiln.stages.validate.report import report_section as validate_section
 
-__all__ = ["build_report", "render_markdown", "write_report", "validation_of", "fmt", "result_line", "seconds_cell"]
+__all__ = [
+    "build_report",
+    "render_markdown",
+    "write_report",
+    "validation_of",
+    "fmt",
+    "result_line",
+    "seconds_cell",
+    "times_line",
+]
 
 
 def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = None) -> dict[str, Any]:
@@ -32,6 +41,7 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
             "seconds": round(r.seconds, 3),
             **({"error": r.error} if r.error else {}),
             **({"original_seconds": round(r.original_seconds, 3)} if r.original_seconds is not None else {}),
+            "check_seconds": round(r.check_seconds, 3),
             "summary": r.summary.model_dump(mode="json") if r.summary is not None else {},
         }
         for r in result.records
@@ -60,6 +70,7 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
         "stages": stages,
         "environment": environment(*backend_libraries()),
     }
+    report |= _times(result)
     if result.error is not None:
         report["error"] = str(result.error)
     if validation and _random_data(config):
@@ -87,6 +98,15 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
             if k in validation
         }
     return report
+
+
+def _times(result: RunResult) -> dict[str, float]:
+    """The run's wall time and, apart from the stages' own seconds, what deciding which were cached took (their
+    keys: loading and hashing the user's data, reading the device's facts, checking their inputs' files)."""
+    times = {"check_seconds": round(result.check_seconds, 3)}
+    if result.wall_seconds is not None:
+        times["wall_seconds"] = round(result.wall_seconds, 3)
+    return times
 
 
 def _random_data(config: KilnConfig) -> bool:
@@ -294,11 +314,21 @@ def _skipped_reason(skipped: list[str], precision: str) -> str:
 
 
 def seconds_cell(stage: dict[str, Any]) -> str:
-    """A cached stage's check time, with how long it took when it ran."""
+    """A stage's own seconds in this run (none for a cached one: its check is counted apart, :func:`times_line`),
+    with how long a cached stage took when it ran."""
     original = stage.get("original_seconds")
     if stage["status"] in ("cached", "kept", "stale") and original is not None:
         return f"{stage['seconds']:.2f} (ran in {original:.2f})"
     return f"{stage['seconds']:.2f}"
+
+
+def times_line(report: dict[str, Any]) -> str:
+    """The run's wall time and the part of it the stages' rows leave out: the cache checks (and the data loading
+    the first of them does)."""
+    return (
+        f"Run: {report['wall_seconds']:.2f} s wall time, of which {report.get('check_seconds', 0.0):.2f} s deciding "
+        "which stages are cached (their keys: loading and hashing the data, the device's facts, the inputs' files)"
+    )
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -307,6 +337,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"> {report['error']}", ""]
     lines += ["## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
     lines += [f"| {n} | {s['status']} | {seconds_cell(s)} |" for n, s in report["stages"].items()]
+    if "wall_seconds" in report:
+        lines += ["", times_line(report)]
     if any(s["status"] == "kept" for s in report["stages"].values()):
         lines += ["", "*kept*: not part of this command; its results are those already in the workdir."]
     if any(s["status"] == "stale" for s in report["stages"].values()):

@@ -54,12 +54,14 @@ log = logging.getLogger("kiln")
 class StageRecord:
     name: str
     status: str  # ran | cached | skipped | failed | not-run
-    seconds: float = 0.0
+    seconds: float = 0.0  # what the stage's own work took (none for a cached one; a failed one: until it failed)
     key: str | None = None
     summary: Summary | None = None  # the stage's typed summary (a cached stage's, read back)
     error: str | None = None
     original_seconds: float | None = None  # for a cached stage: how long it took when it ran
     changed: list[str] = field(default_factory=list)  # for a stage run again: the parts of its key that changed
+    # deciding whether it is cached: its key (the first one loads and hashes the user's data), its inputs' files
+    check_seconds: float = 0.0
 
 
 @dataclass
@@ -67,6 +69,12 @@ class RunResult:
     workdir: Path
     records: list[StageRecord]
     error: KilnError | None = None
+    wall_seconds: float | None = None  # the stages of the run, checks included (not starting Python or the report)
+
+    @property
+    def check_seconds(self) -> float:
+        """What the run spent deciding which stages are cached (their keys, the data they hash), beside their work."""
+        return sum(r.check_seconds for r in self.records)
 
     @property
     def ok(self) -> bool:
@@ -385,6 +393,7 @@ class Runner:
 
     def run(self, force: set[str] | None = None, start: str | None = None, stop: str | None = None) -> RunResult:
         """``force``: rerun these stages; ``start``: rerun from this stage on; ``stop``: end after this stage."""
+        began = time.perf_counter()
         self.workdir.mkdir(parents=True, exist_ok=True)
         clean_stale_staging(self.workdir)
         keep_facts_in(self.workdir / "cache")  # the device's facts, read back while this boot lasts (kiln.core.env)
@@ -446,7 +455,7 @@ class Runner:
                 )
             if stop is not None and stage.name == stop:
                 break
-        return RunResult(self.workdir, records, error)
+        return RunResult(self.workdir, records, error, wall_seconds=time.perf_counter() - began)
 
     def _build_skips(self, records: list[StageRecord]) -> list[str]:
         """The engines the build stage did not build, each with why (:class:`BuildSummary`'s ``skipped``): this
@@ -580,8 +589,8 @@ class Runner:
 
     def _run_one(self, stage: Stage, forced: bool) -> StageRecord:
         final = self.workdir / stage.name
-        self._refuse_out_of_date(stage)  # before the key: that may call the user's data function (seconds)
         t_check = time.perf_counter()
+        self._refuse_out_of_date(stage)  # before the key: that may call the user's data function (seconds)
         key, parts = cache_key(stage, self.config, self.workdir, self._fingerprints, self._load_dataset)
         missing = [
             up
@@ -600,14 +609,15 @@ class Runner:
         cached = _summary(stage, old)
         if not forced and cached and old and old.get("key") == key and outputs_intact(final, old, self._verified):
             log.info("%s: cached (key %s)", stage.name, key[:12])
-            # seconds: what this run spent on the stage (the check); the original run's time stays in the manifest
+            # no work: the check is its own time; the original run's time stays in the manifest
             return StageRecord(
                 stage.name,
                 "cached",
-                time.perf_counter() - t_check,
+                0.0,
                 key,
                 cached,
                 original_seconds=old.get("seconds"),
+                check_seconds=time.perf_counter() - t_check,
             )
         changed = what_changed(old.get("key_parts", {}), parts) if old and not forced else []
         changed = code_said_by_module(changed, old.get("key_parts", {}) if old else {}, parts, self.config)
@@ -619,6 +629,7 @@ class Runner:
         self._check_ahead(stage)
         log.info("%s: running%s", stage.name, why)
         t0 = time.perf_counter()
+        check_seconds = t0 - t_check
         with atomic_dir(final) as out:
             ctx = StageContext(
                 stage.name,
@@ -661,7 +672,7 @@ class Runner:
                 },
             )
             self._verified[final] = hash_json(outputs)  # just written and hashed: no need to read it again
-        return StageRecord(stage.name, status, seconds, key, summary, changed=changed)
+        return StageRecord(stage.name, status, seconds, key, summary, changed=changed, check_seconds=check_seconds)
 
 
 def _names(stages: list[str]) -> str:

@@ -14,9 +14,14 @@ from kiln.core.env import environment_subset
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageSettings, Summary
 from kiln.models.config import DataConfig, ModelConfig
-from kiln.stages.accuracy.config import CheckConfig
+from kiln.stages.accuracy.config import CheckConfig, GatesConfig
 from kiln.stages.precision.config import PrecisionConfig
 from kiln.stages.precision.report import report_section
+
+# Gates only validation reads (it times engines; precision makes graphs): left out of precision's key, so changing
+# them reruns validation alone
+VALIDATE_ONLY_GATES = ("max_latency_p50_ms",)
+PRECISION_GATES = tuple(f"validate.gates.{g}" for g in GatesConfig.model_fields if g not in VALIDATE_ONLY_GATES)
 
 
 @dataclass(frozen=True)
@@ -32,8 +37,10 @@ class PrecisionSettings(StageSettings):
             "signature.batch_sizes",
         ),
         "graph_readers": "build.graph_readers",
-        # validation's gates, metric and held-out data: a variant is accepted by the check its engines will face
-        "validate": ("validate.gates", "validate.metric", "validate.metric_higher_is_better", "validate.max_samples"),
+        # validation's accuracy gates, metric and held-out data: a variant is accepted by the check its engines will
+        # face (read together as ``validate``)
+        "gates": PRECISION_GATES,
+        "held_out": ("validate.metric", "validate.metric_higher_is_better", "validate.max_samples"),
     }
     seed: int
     model: ModelConfig
@@ -42,7 +49,14 @@ class PrecisionSettings(StageSettings):
     calibration: CalibrationConfig
     signature: Signature
     graph_readers: list[str]  # the configured backends that build from ONNX graphs: none, no graph is converted
-    validate: CheckConfig
+    gates: GatesConfig
+    held_out: CheckConfig
+
+    @property
+    def validate(self) -> CheckConfig:
+        """The accuracy check as validation applies it to engines, with the gates precision reads (a view of
+        ``validate:`` whose gates leave out :data:`VALIDATE_ONLY_GATES`)."""
+        return self.held_out.model_copy(update={"gates": self.gates})
 
 
 class PrecisionSummary(Summary):
