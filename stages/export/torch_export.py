@@ -7,8 +7,12 @@ exporters, they know the graph."""
 
 from __future__ import annotations
 
+import linecache
 import logging
+import os
 import re
+import sys
+import time
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping
@@ -82,10 +86,13 @@ def export_with_fallback(
     fixed: list[str] = []
     validation = ""  # where torch.distributions' argument validation made the dynamo exporter fail
     refused = ""  # why the dynamo exporter failed, where the TorchScript one then exported the graph
-    raised = ""  # the call torch's error says raised the dynamo exporter's failure (a branch or size read)
+    raised: Raised | None = None  # the call torch's error says raised the dynamo exporter's failure
     cause: Cause | None = None  # a library's setting the failure comes from (QAT's fake-quantize, MoE experts)
     for dynamo in (True, False) if opset >= 18 else (False,):
         pinned: list[str] = []  # where torch.export fixed a size to the example's
+        if dynamo:  # it may trace for minutes before it fails: said, so the time is seen to go there
+            log.info("export: dynamo exporter running (torch.onnx.export)")
+        started = time.perf_counter()
         try:
             with bags_as_lookups(model):  # padded bags as a lookup and a sum, not a Loop over the bags
                 placed = _export(
@@ -111,7 +118,8 @@ def export_with_fallback(
             if dynamo:
                 validation, refused = _in_distributions(exc), error_reason(exc) + _places(pinned)
                 raised = _raised_at(exc)
-                log.warning("dynamo exporter failed: %s; trying the TorchScript exporter", refused)
+                took = time.perf_counter() - started
+                log.warning("dynamo exporter failed: %s (%.1f s); trying the TorchScript exporter", refused, took)
     else:
         raise _export_failed(model, example, errors, opset, axes, raised, cause)
     if fixed:
@@ -380,15 +388,15 @@ _TO_PYTHON = "Converting a tensor to a Python"
 _DATA_DEPENDENT = ("data-dependent", "data dependent", "DataDependent")
 
 
-DATA_BRANCH_FIX = (
-    "write the branch with tensor ops (torch.where) or torch.cond, which the dynamo exporter exports, or export the "
-    "model yourself and give Kiln the file (model: {onnx: model.onnx})"
-)
-SIZE_FROM_VALUES_FIX = (
+_OWN_EXPORT = "export the model yourself and give Kiln the file (model: {onnx: model.onnx})"
+_BRANCH_CHANGE = "write the branch with tensor ops (torch.where) or torch.cond, which the dynamo exporter exports"
+_SIZE_CHANGE = (
     "compute at sizes the inputs' shapes give, not sizes read from their values: dense or masked (every row through "
     "each path, the rows it does not take zeroed by a mask or torch.where) instead of rows picked or split by counts "
-    "read with .tolist()/.item(); or export the model yourself and give Kiln the file (model: {onnx: model.onnx})"
+    "read with .tolist()/.item()"
 )
+DATA_BRANCH_FIX = f"{_BRANCH_CHANGE}, or {_OWN_EXPORT}"
+SIZE_FROM_VALUES_FIX = f"{_SIZE_CHANGE}; or {_OWN_EXPORT}"
 # How the dynamo exporter says Python code read a tensor's value as a number (a size, a split's counts)
 _SIZE_FROM_VALUES = "extract specialized integer"
 
@@ -418,13 +426,18 @@ def _traced_value(said: warnings.WarningMessage) -> str:
 
 
 def refuse_traced_branch(
-    fixed: list[str], errors: list[str], validation: str = "", raised: str = "", cause: Cause | None = None
+    fixed: list[str],
+    errors: list[str],
+    validation: str = "",
+    raised: Raised | None = None,
+    cause: Cause | None = None,
 ) -> None:
     """After the dynamo exporter failed, the TorchScript exporter traced the model on its example and fixed the
     values Python code read from tensors at ``fixed``. Where dynamo failed because such a value decides a branch
     or a size (a data-dependent guard), the graph holds only the branch (or size) the example took and computes it
     for every input, which the parity check passes whenever the data takes that branch too: an error, naming the
-    call torch's error says raised it (``raised``) where it names one, and the fix of a known ``cause``. Where that
+    call torch's error says raised it (``raised``) where it names one (a size read where that call takes sizes; the
+    user's own export first in the fix where it is a library's code), and the fix of a known ``cause``. Where that
     guard is ``torch.distributions``' argument validation (``validation``: its place), the error says so and how to
     turn it off, which lets the dynamo exporter through. Otherwise the values may be shapes or constants: said in
     the log, with the places, since the parity check compares only the data."""
@@ -451,21 +464,42 @@ def refuse_traced_branch(
             places,
         )
         return
-    places = raised or places  # the line torch says raised the failure: the branch or size read itself
+    places = raised.place if raised else places  # the line torch says raised the failure: the branch or size read
     if _size_from_values(dynamo):
         said = (
             f"the model reads a size from its inputs' values (.tolist(), .item() or int() of a tensor) at {places} "
             f"({dynamo}), and the TorchScript exporter traced it as the example's number: the graph would use that "
             "size for every input"
         )
-        fix = SIZE_FROM_VALUES_FIX
+    elif raised and raised.sizes():
+        said = (
+            f"the model sizes a tensor by a tensor's value at {places} (a size computed as a tensor, or read with "
+            f".tolist(), .item() or int()) ({dynamo}), and the TorchScript exporter traced it as "
+            "the example's number: the graph would use that size for every input"
+        )
     else:
         said = (
             f"the model decides a branch from its inputs' values at {places} ({dynamo}), and the TorchScript "
             "exporter traced only the branch its example took: the graph would take that branch for every input"
         )
-        fix = DATA_BRANCH_FIX
-    raise ModelError(f"{said}; {cause.said}" if cause else said, hint=cause.fix if cause else fix)
+    if cause:
+        raise ModelError(f"{said}; {cause.said}", hint=cause.fix)
+    raise ModelError(said, hint=_values_fix(dynamo, raised))
+
+
+def _values_fix(dynamo: str, raised: Raised | None) -> str:
+    """The fix where the dynamo exporter stopped at a guard on values (``dynamo``: its failure): the size computed
+    from shapes where a size was read (:func:`_size_from_values`, or ``raised`` is a call that takes sizes), else the
+    branch written with tensor ops; where the line is a library's code (``raised.library``), the user's own export
+    first, since that code is not theirs to change."""
+    sizes = _size_from_values(dynamo) or (raised is not None and raised.sizes())
+    if raised is None or not raised.library:
+        return SIZE_FROM_VALUES_FIX if sizes else DATA_BRANCH_FIX
+    change = _SIZE_CHANGE if sizes else _BRANCH_CHANGE
+    return (
+        f"that line ({raised.place}) is in {raised.library}, not your code: {_OWN_EXPORT} (with the library's own "
+        f"ONNX export settings or tools where it has them); or change that code: {change}"
+    )
 
 
 def _in_distributions(exc: BaseException) -> str:
@@ -496,20 +530,78 @@ def _chain(exc: BaseException | None) -> Iterator[BaseException]:
         exc = exc.__cause__ or exc.__context__
 
 
-# How torch's data-dependent errors name the call that raised them: the branch or the size read itself
-_RAISED = re.compile(r'The following call raised this error:\s*File "([^"]+)", line (\d+)')
+# How torch's data-dependent errors name the call that raised them: the branch or the size read itself, the frame
+# its guard was evaluated in (``Caused by: (transformers/models/x/modeling_x.py:549 in forward)``, the file relative
+# to torch's folder or to the folder above it), and the call of the traced code that led there
+_CAUSED_BY = re.compile(r"Caused by: \((\S+?):(\d+) in [\w<>]+\)")
+_RAISED = re.compile(r'The following call raised this error:\s*File "([^"]+)", line (\d+)[^\n]*\n?([^\n]*)')
+# A call that takes sizes (a view, a new tensor): where torch's error says one raised it, a size was read from a
+# tensor's value there, not a branch decided
+_SIZE_CALL = re.compile(
+    r"\.(view|reshape|expand|new_zeros|new_ones|new_empty|new_full|repeat|narrow|unflatten|split)\("
+    r"|torch\.(zeros|ones|empty|full|arange|split)\("
+)
+_BRANCH = re.compile(r"^(if|elif|while|assert|for)\b")
 
 
-def _raised_at(exc: BaseException) -> str:
-    """``file:line`` (the file by its name) of the call torch's error says raised it (``The following call raised
-    this error: File ".../modeling_mixtral.py", line 81``), the user's code or a library's, where the innermost frame
-    in the user's files may be only the call into that library; empty where it names none, or one of torch's files."""
+class Raised(NamedTuple):
+    """The call torch's error says raised the dynamo exporter's failure (:func:`_raised_at`)."""
+
+    place: str  # file:line, the file by its name
+    code: str  # the source line, stripped; empty where it cannot be read
+    library: str  # the installed library whose code it is (``transformers``); empty for the user's code
+
+    def sizes(self) -> bool:
+        """Whether the line takes sizes (a view, a reshape, a new tensor) rather than deciding a branch."""
+        return not _BRANCH.match(self.code) and _SIZE_CALL.search(self.code) is not None
+
+
+def _raised_at(exc: BaseException) -> Raised | None:
+    """The call torch's error says raised it, the user's code or a library's, where the innermost frame in the
+    user's files may be only the call into that library: the frame its guard was evaluated in (``Caused by:``,
+    the ``if`` itself), else the traced call that led there (``The following call raised this error: File
+    ".../modeling_mixtral.py", line 81``); None where it names neither outside torch's files."""
     torch_dir = Path(torch.__file__).resolve().parent
+    for err in _chain(exc):
+        caused = _CAUSED_BY.search(str(err))
+        path = _source_file(caused.group(1), torch_dir, exc) if caused else None
+        if caused is not None and path is not None:
+            return _raised(path, int(caused.group(2)))
     for err in _chain(exc):
         found = _RAISED.search(str(err))
         if found is not None and not Path(found.group(1)).resolve().is_relative_to(torch_dir):
-            return f"{Path(found.group(1)).name}:{found.group(2)}"
-    return ""
+            return _raised(Path(found.group(1)), int(found.group(2)), found.group(3).strip())
+    return None
+
+
+def _source_file(named: str, torch_dir: Path, exc: BaseException) -> Path | None:
+    """The file a ``Caused by:`` line names, where it is found and not one of torch's own; else None. torch names it
+    relative to its own folder, to the folder above it (``transformers/models/...``), or by a path cut at the
+    prefix it shares with torch's (``mp/w/lib.py`` for ``/tmp/w/lib.py``): tried against those folders and
+    sys.path, then against the files of ``exc``'s tracebacks."""
+    if (torch_dir / named).is_file():
+        return None
+    roots = [Path("/"), torch_dir.parent, *(Path(p) for p in sys.path if p)]
+    found = next((root / named for root in roots if (root / named).is_file()), None)
+    tail = "/" + named.split("/", 1)[-1]
+    files = (f.filename for err in _chain(exc) for f in traceback.extract_tb(err.__traceback__))
+    return found or next((Path(f) for f in files if f.replace(os.sep, "/").endswith(tail)), None)
+
+
+def _raised(path: Path, line: int, code: str = "") -> Raised:
+    """:class:`Raised` for ``path``'s line ``line``, its source read from the file where ``code`` is not given."""
+    if not code:
+        code = linecache.getline(str(path), line).strip()
+    library = "" if is_user_file(str(path.resolve())) else _library_of(path)
+    return Raised(f"{path.name}:{line}", code, library)
+
+
+def _library_of(path: Path) -> str:
+    """The top-level package ``path`` belongs to under an install folder (``site-packages``); "a library" where it
+    lies elsewhere."""
+    parts = path.resolve().parts
+    found = [i for i, p in enumerate(parts) if p in ("site-packages", "dist-packages")]
+    return parts[found[-1] + 1] if found and found[-1] + 1 < len(parts) - 1 else "a library"
 
 
 class Cause(NamedTuple):
@@ -660,7 +752,7 @@ def _export_failed(
     errors: list[str],
     opset: int,
     axes: Mapping[str, Mapping[int, str]],
-    raised: str = "",
+    raised: Raised | None = None,
     cause: Cause | None = None,
 ) -> ExportFailed:
     """The error where both exporters failed (``errors``: each one's reason), with the fix
@@ -714,7 +806,7 @@ COMPLEX_HINT = (
 
 
 def _export_failed_hint(
-    errors: list[str], opset: int, line: str = "", complex_values: str = "", raised: str = ""
+    errors: list[str], opset: int, line: str = "", complex_values: str = "", raised: Raised | None = None
 ) -> str:
     """The fix where both exporters failed: a later opset where the exporter names the one its op came in
     (``Support for this operator was added in version 20``: ``AffineGrid``, ``GridSample``'s modes); where the
@@ -737,10 +829,12 @@ def _export_failed_hint(
     dynamo = next((e for e in errors if e.startswith("dynamo exporter: ")), "")
     if _data_dependent(dynamo):
         named = re.search(r"\(in ([\w<>]+\(\) at [^)]+)\)$", dynamo)
-        at = f", in {named.group(1)}" if named else f", at {raised}" if raised else ""
-        if _size_from_values(dynamo):
-            return f"the dynamo exporter stopped at a size read from the inputs' values{at}: {SIZE_FROM_VALUES_FIX}"
-        return f"the dynamo exporter stopped at a branch on the inputs' values{at}: {DATA_BRANCH_FIX}"
+        at = f", in {named.group(1)}" if named else f", at {raised.place}" if raised else ""
+        raised = None if named else raised  # the user's own line: theirs to change
+        fix = _values_fix(dynamo, raised)
+        if _size_from_values(dynamo) or (raised is not None and raised.sizes()):
+            return f"the dynamo exporter stopped at a size read from the inputs' values{at}: {fix}"
+        return f"the dynamo exporter stopped at a branch on the inputs' values{at}: {fix}"
     if complex_values:
         return COMPLEX_HINT
     if opset < 18 and any(re.search(r"to ONNX opset version \d+ is not supported", e) for e in errors):

@@ -66,16 +66,34 @@ def random_inputs(
     other symbolic axes ``dynamic``, when given), integers lie in the data's range of the input (``int_ranges``,
     where the export recorded it), else over the rows of the table the input indexes (an embedding's vocabulary,
     :func:`kiln.core.onnx_io.index_ranges`: an ONNX file from elsewhere has no recorded data), else in
-    [0, int_high]; column by column where either has a range per column (:func:`drawn_ranges`)."""
+    [0, int_high]; column by column where either has a range per column (:func:`drawn_ranges`); integer masks
+    without a range in 0/1 (:func:`masks_as_bits`)."""
     specs, _ = io_specs(model)
-    return make_inputs(
+    drawn = drawn_ranges(model, int_ranges)
+    feed = make_inputs(
         specs,
         batch or cfg.verify_batch,
         dynamic=dynamic or cfg.verify_batch,
         int_high=cfg.int_high,
         seed=cfg.seed,
-        int_ranges=drawn_ranges(model, int_ranges),
+        int_ranges=drawn,
     )
+    return masks_as_bits(feed, drawn, cfg.seed)
+
+
+def masks_as_bits(feed: dict[str, np.ndarray], drawn: Mapping[str, IntRange], seed: int) -> dict[str, np.ndarray]:
+    """``feed`` with each integer input named like a mask (``attention_mask``, ``global_attention_mask``) that has
+    no range of its own (``drawn``: the data's or a table's) drawn as 0/1, with the first position of every row 1.
+    A mask of other values is no input the model ever gets, and a graph may divide by what it counts (Longformer's
+    global tokens): ONNX Runtime then dies of a native division by zero (SIGFPE), which no Python code can catch."""
+    rng = np.random.default_rng(seed + 1)
+    out = dict(feed)
+    for name, values in feed.items():
+        if values.dtype.kind in "iu" and "mask" in name.lower() and name not in drawn and values.ndim:
+            bits = rng.integers(0, 2, values.shape).astype(values.dtype)
+            bits[..., 0] = 1  # no row all masked out
+            out[name] = bits
+    return out
 
 
 def drawn_ranges(model: onnx.ModelProto, int_ranges: IntRanges | None) -> dict[str, IntRange]:
