@@ -5,6 +5,8 @@ the export before it exports (a run from a checkpoint trains nothing)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ from kiln.core.data import Inputs, rebuild, tensors
 from kiln.core.errors import ModelError
 from kiln.core.outputs import host_arrays, named_outputs
 from kiln.core.random_ops import RANDOM_HINT
+from kiln.models.registry import build_model
 
 # Two calls on the same inputs differ by more than this share of the output's largest value (or this much, for
 # outputs near zero) only where forward draws random numbers or keeps state: arithmetic on one machine repeats
@@ -132,3 +135,46 @@ def _moved_output(first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -
         if err > max(_RANDOM_FLOOR, _RANDOM_SHARE * (float(finite.max()) if finite.size else 0.0)):
             return f"output '{name}': by up to {err:.3g}"
     return None
+
+
+def module_layout(model: nn.Module) -> dict[str, str]:
+    """Each submodule's qualified name -> its class name, and each state_dict key -> ``"state"``: what
+    :func:`refuse_changed_layout` compares after the export's forwards. Read before the model's first forward."""
+    layout = {name or "(the model)": type(m).__name__ for name, m in model.named_modules()}
+    return layout | {f"state_dict[{k}]": "state" for k in model.state_dict()}
+
+
+def built_layout(name: str, params: dict[str, Any] | None) -> dict[str, str]:
+    """:func:`module_layout` of the model as its factory builds it, never run: the export's model may come from an
+    earlier stage that already called it (a skipped training's probe). Built on the meta device where the factory
+    allows (no weights allocated or initialised), else as usual; torch's generators are left as they were."""
+    saved = _generator_states()
+    try:
+        with torch.device("meta"):
+            return module_layout(build_model(name, params))
+    except Exception:  # a factory that needs real tensors (loads weights, calls .item()): built as usual
+        return module_layout(build_model(name, params))
+    finally:
+        _restore_generators(saved)
+
+
+def refuse_changed_layout(before: dict[str, str], model: nn.Module) -> None:
+    """A ModelError where the model's forwards replaced, added or removed submodules or weights since ``before``
+    (:func:`module_layout` or :func:`built_layout`): the model every check compared the graph with is then not the
+    one the user built (transformers' BigBird ``block_sparse`` swaps its attention for full attention on its first
+    call at a short length, for good), so an engine that passes is held to another model's function."""
+    after = module_layout(model)
+    changed = [
+        f"{k}: {before.get(k, '(none)')} -> {after.get(k, '(none)')}"
+        for k in sorted(before.keys() | after.keys())
+        if before.get(k) != after.get(k)
+    ]
+    if not changed:
+        return
+    shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
+    raise ModelError(
+        f"the model's forward changes the model itself ({shown}): the graph and every check would follow the changed "
+        "model, not the one its factory builds",
+        hint="use a configuration that does not switch at run time (BigBird: attention_type: original_full), or keep "
+        "the data and signature.shapes all on one side of the switch (BigBird: lengths it runs block-sparse)",
+    )

@@ -34,23 +34,31 @@ from kiln.core.onnx_io import (
 from kiln.core.random_ops import RANDOM_HINT
 from kiln.core.text import first_line
 from kiln.stages.export.declaration import ExportSummary
+from kiln.stages.export.output_axes import runnable_inferred
 from kiln.stages.export.parity import torch_outputs
 
 log = logging.getLogger("kiln.export")
 
 
-def take_onnx(src: Path, path: Path, axes: Mapping[str, Mapping[int, str]] | None = None) -> ExportSummary:
+def take_onnx(
+    src: Path,
+    path: Path,
+    axes: Mapping[str, Mapping[int, str]] | None = None,
+    feed: dict[str, np.ndarray] | None = None,
+) -> ExportSummary:
     """``model.onnx``: the user's file in place of an export, checked and shape-inferred like one. A file whose batch
     axis is a number (published files often fix it at 1) gets a symbolic one, once the graph is shown to compute the
     same rows at twice that batch (:func:`free_checked`): the batch sizes are the run's to choose. The axes ``axes``
     (``signature.dynamic_axes``) names take those names in the copy (:func:`name_axes`). A graph whose outputs are
     random draws is refused first (:func:`kiln.core.onnx_io.refuse_random_graph`): every check after would compare
-    two runs of it and blame the batch, the precision or the engine."""
+    two runs of it and blame the batch, the precision or the engine. ``feed``: the data's first rows, on which the
+    copy must run where the file does (:func:`runnable_inferred`: ONNX's inferred shapes can mislead ORT)."""
     proto = load_onnx(src)
     check_tensor_io(proto, f"model.onnx {src.name}")
     refuse_random_graph(proto, f"model.onnx {src.name}", hint=f"{RANDOM_HINT}; then export {src.name} again")
     fixed = fixed_batch(proto)
     proto = free_checked(proto, src, *fixed) if fixed else infer_shapes(proto, strict=False)
+    proto = runnable_inferred(proto, feed, f"model.onnx {src.name}")
     name_axes(proto, axes or {}, src.name)
     save_onnx(proto, path)
     check_onnx(path, f"model.onnx {src.name}")

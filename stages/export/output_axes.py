@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 import onnx
 
+from kiln.core.errors import ModelError
 from kiln.core.onnx_io import infer_shapes, load_onnx, ort_run, ort_session, save_onnx
+from kiln.core.text import first_line
 
 log = logging.getLogger("kiln.export")
 
@@ -110,7 +112,15 @@ def probe(
     sess = session if session is not None else ort_session(path)
     names = [o.name for o in sess.get_outputs()]
     declared = declared if declared is not None else {o.name: o.shape for o in sess.get_outputs()}
-    base = [o.shape for o in ort_run(sess, feed)]
+    try:
+        base = [o.shape for o in ort_run(sess, feed)]
+    except Exception as exc:  # ONNX Runtime's own error on the data's rows: said, not a traceback
+        raise ModelError(
+            f"{path.name} does not run in ONNX Runtime on the data's first rows "
+            f"({', '.join(f'{k} {list(v.shape)}' for k, v in feed.items())}): {first_line(exc)}",
+            hint=f"make {path.name} run in onnxruntime.InferenceSession on rows of the data (the node named above), "
+            "or give the PyTorch model (model.name) without model.onnx for Kiln to export",
+        ) from None
     before = _sizes_of(feed, axes)
     found: dict[str, dict[int, str]] = {}
     stays: dict[str, dict[int, set[str]]] = {}
@@ -163,12 +173,41 @@ def name_output_axes(
             fixed.setdefault(out.name, {})[i] = name
     if fixed:
         # Intermediate shapes recorded from the traced example hold the old sizes: inferred again from the inputs
-        save_onnx(infer_shapes(model, strict=False), path)
+        save_onnx(runnable_inferred(infer_shapes(model, strict=False), feed, path.name), path)
         log.info(
             "the export fixed output axes that follow a dynamic input axis; declared dynamic: %s",
             "; ".join(f"{o} axis {i} = {n}" for o, d in fixed.items() for i, n in d.items()),
         )
     return fixed
+
+
+def runnable_inferred(inferred: onnx.ModelProto, feed: dict[str, np.ndarray] | None, shown: str) -> onnx.ModelProto:
+    """``inferred`` (a graph with ONNX's inferred value_info), without that value_info where ONNX Runtime fails on it
+    with ``feed`` but runs it without: ORT trusts recorded shapes, and ONNX infers some wrong (a SequenceAt of a
+    SplitToSequence with keepdims=0, a rank too many), so a file that runs as it came would fail inside Kiln. Where
+    both fail, or ``feed`` is None, ``inferred`` is kept: the stages that run it say why. Changed in place."""
+    if feed is None or not inferred.graph.value_info or _runs(inferred, feed):
+        return inferred
+    recorded = list(inferred.graph.value_info)
+    del inferred.graph.value_info[:]
+    if not _runs(inferred, feed):
+        inferred.graph.value_info.extend(recorded)
+        return inferred
+    log.info(
+        "%s: kept without ONNX's inferred shapes of intermediate values, with which ONNX Runtime fails where it runs "
+        "the graph without them",
+        shown,
+    )
+    return inferred
+
+
+def _runs(model: onnx.ModelProto | Path, feed: dict[str, np.ndarray]) -> bool:
+    """Whether ONNX Runtime opens ``model`` and runs it on ``feed``."""
+    try:
+        ort_run(ort_session(model), feed)
+    except Exception:  # noqa: BLE001 - any failure of ORT's is a no
+        return False
+    return True
 
 
 def _declared_dims(model: onnx.ModelProto) -> dict[str, list[int | str]]:

@@ -18,7 +18,7 @@ from kiln.core.errors import ConfigError, KilnError
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, refuse_random_graph
 from kiln.core.shapes import graph_axes
 from kiln.core.stage import StageContext
-from kiln.models.determinism import refuse_random
+from kiln.models.determinism import built_layout, module_layout, refuse_changed_layout, refuse_random
 from kiln.models.model_io import (
     load_trained,
     load_weights,
@@ -41,6 +41,15 @@ from kiln.stages.export.sizes import check_sizes_of, check_validated_sizes, chec
 from kiln.stages.export.torch_export import export_with_fallback, input_axes
 
 log = logging.getLogger("kiln.export")
+
+
+def _data_feed(ctx: StageContext[ExportSettings], path: Path) -> dict[str, Any] | None:
+    """The data's first two held-out rows as a feed of the graph at ``path``; None where they do not fit it."""
+    names = [i.name for i in io_specs(load_onnx(path, load_external_data=False))[0]]
+    try:
+        return feed_for_graph(take(ctx.dataset().val_x, slice(0, 2)), names)
+    except KilnError:
+        return None
 
 
 def _probe_taken(ctx: StageContext[ExportSettings]) -> dict[str, dict[int, str]]:
@@ -70,9 +79,9 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
         if on_random_inputs(ctx.config.model, ctx.config.data):  # said now, not after optimize
             specs, _ = io_specs(load_onnx(ctx.config.model.onnx, load_external_data=False))
             random_axis_size(Path(ctx.config.model.onnx), specs, ctx.config.signature)
-        summary = take_onnx(Path(ctx.config.model.onnx), ctx.out / "model.onnx", ctx.config.signature.dynamic_axes)
+        src = Path(ctx.config.model.onnx)
+        summary = take_onnx(src, ctx.out / "model.onnx", ctx.config.signature.dynamic_axes, _data_feed(ctx, src))
         if not on_random_inputs(ctx.config.model, ctx.config.data):
-            src = Path(ctx.config.model.onnx)
             refuse_outside_index(ctx.dataset(), ctx.out / "model.onnx", src.name, ctx.config.data.name or "the data")
         if torch_model_named(ctx.config.model) and "train" in ctx.inputs:
             model = load_trained(ctx.inputs["train"], ctx.config.model)
@@ -94,7 +103,9 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     path = ctx.out / "model.onnx"
     axes = ctx.config.signature.dynamic_axes
     example, x = take(data.val_x, slice(0, 2)), take(data.val_x, slice(0, PARITY_ROWS))
+    layout = built_layout(ctx.config.model.name, ctx.config.model.params)  # a model that rebuilds itself when run
     refuse_random(model, example)
+    refuse_changed_layout(layout, model)  # said now, not after the export's minutes
     warn_wide_inputs(model, example)
     proto, dynamo = export_at_sizes(model, example, path, cfg.opset, data, axes, ctx.config.signature.shapes)
     refuse_random_graph(proto, f"the exported graph {path.name}")  # draws too small for refuse_random to see
@@ -111,6 +122,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     shapes, atol, rtol = ctx.config.signature.shapes, cfg.parity_atol, cfg.parity_rtol
     check_validated_sizes(model, path, session, data, names, axes or {}, shapes, atol, rtol, dynamo)
     steps = size_steps(model, data, names, axes or {}, shapes, GraphAt(path, session, atol, rtol))
+    refuse_changed_layout(layout, model)  # after the last forward of the export
     if steps:
         (ctx.out / AXIS_STEPS).write_text(json.dumps(steps, indent=2, sort_keys=True) + "\n")
     feed = feed_for_graph(take(data.val_x, slice(0, 2)), names)
@@ -170,6 +182,7 @@ def export_direct(
     model.eval()
     x = direct_example(cfg, model, specs)
     example = take(x, slice(0, 2))  # traced with two rows, like the pipeline's export
+    layout = module_layout(model)  # before its first forward: a model that rebuilds itself when run is refused
     refuse_random(model, example)
     refuse_nothing_finite(model, x if cfg.export.dynamic_batch else example, example_source(specs), bool(specs))
     proto, dynamo = export_with_fallback(
@@ -204,4 +217,5 @@ def export_direct(
         sizes = checked_spans(feed, axes, points)
         steps = steps_over(model, one, example, names, axes, sizes, GraphAt(output, session, atol, rtol))
         record_graph_steps(output, steps)
+    refuse_changed_layout(layout, model)  # after the last forward of the export
     return {"path": str(output), "nodes": len(proto.graph.node), **check, "axis_steps": steps}

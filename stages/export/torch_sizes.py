@@ -39,25 +39,30 @@ def own_sizes(feed: Mapping[str, np.ndarray], axes: Axes) -> dict[str, int]:
 
 
 def _untied_hint(feed: Mapping[str, np.ndarray], axes: Axes, point: Mapping[str, int], source: str = "the data") -> str:
-    """The start of the fix where an input left out of ``signature.dynamic_axes`` has an axis the data gives the
-    size of a varied one (a forecaster's ``calendar [N, 24]`` beside ``past [N, 24, F]`` whose axis 1 is ``time``):
-    it may follow that axis, and then Kiln must cut it too, which only a declaration tells it; empty otherwise.
-    ``source``: what ``feed`` is, in words (``kiln export -o``'s example)."""
+    """The start of the fix where an axis left out of ``signature.dynamic_axes`` has the size the data gives a varied
+    one: of an input left out (a forecaster's ``calendar [N, 24]`` beside ``past [N, 24, F]`` whose axis 1 is
+    ``time``), or of one declared in part (a square ``spd [N, n, n]`` given ``{1: n}`` alone). It may follow that
+    axis, and then Kiln must cut it too, which only a declaration tells it; empty otherwise. The declaration shown
+    holds each such input's declared axes and the new ones. ``source``: what ``feed`` is, in words (``kiln export
+    -o``'s example)."""
     own = own_sizes(feed, axes)
-    said = []
+    said: list[tuple[str, int, str]] = []
     for name, array in feed.items():
-        if name in axes:
-            continue
+        declared = {int(a) for a in axes.get(name, {})}
         for axis in range(1, array.ndim):
             label = next((k for k in point if own.get(k) == array.shape[axis]), None)
-            if label is not None:
+            if axis not in declared and label is not None:
                 said.append((name, axis, label))
-                break
     if not said:
         return ""
     listed = ", ".join(f"input '{n}' (axis {a}: {own[lbl]} in {source}, as {lbl})" for n, a, lbl in said)
-    declared = ", ".join(f"{n}: {{{a}: {lbl}}}" for n, a, lbl in said)
-    return f"if {listed} varies with it, declare that too, signature.dynamic_axes: {{{declared}}}; else "
+    whole: dict[str, dict[int, str]] = {}
+    for n, a, lbl in said:
+        whole.setdefault(n, {int(k): v for k, v in axes.get(n, {}).items()})[a] = lbl
+    shown = ", ".join(
+        f"{n}: {{" + ", ".join(f"{a}: {lbl}" for a, lbl in sorted(d.items())) + "}" for n, d in whole.items()
+    )
+    return f"if {listed} varies with it, declare that too, signature.dynamic_axes: {{{shown}}}; else "
 
 
 def one_name_hint(

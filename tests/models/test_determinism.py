@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln.core.errors import ModelError
-from kiln.models.determinism import refuse_random
+from kiln.models.determinism import module_layout, refuse_changed_layout, refuse_random
 from tests.models.random_models import sampling, zero_noise
 
 
@@ -37,3 +37,34 @@ def test_noise_at_a_zero_scale_is_refused_where_draws_are_asked_for_and_the_gene
 
 def test_a_dropout_module_draws_nothing_in_eval_mode() -> None:
     refuse_random(zero_noise(dropout=True).eval(), torch.rand(2, 6), generators=True)
+
+
+class _SwitchesOnFirstCall(torch.nn.Module):
+    """Replaces its attention block on its first forward, as transformers' BigBird ``block_sparse`` does at a
+    short length: calls after the first agree with each other, not with a fresh model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.attn, torch.nn.Linear):
+            self.attn = torch.nn.Identity()
+        return self.attn(x)
+
+
+def test_a_model_that_replaces_a_submodule_when_run_is_refused_naming_it() -> None:
+    model = _SwitchesOnFirstCall().eval()
+    layout = module_layout(model)
+    refuse_random(model, torch.rand(2, 6))  # two calls after the switch agree: this check cannot see it
+    with pytest.raises(ModelError, match=r"attn: Linear -> Identity") as err:
+        refuse_changed_layout(layout, model)
+    assert "state_dict[attn.weight]: state -> (none)" in err.value.message
+    assert "attention_type: original_full" in err.value.hint
+
+
+def test_a_model_run_twice_unchanged_passes_the_layout_check() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU()).eval()
+    layout = module_layout(model)
+    refuse_random(model, torch.rand(2, 6))
+    refuse_changed_layout(layout, model)

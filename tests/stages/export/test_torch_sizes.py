@@ -45,3 +45,26 @@ def test_a_model_that_fails_only_at_the_size_kiln_cut_is_not_said_to_fix_it() ->
     err = _fails(nn.Conv1d(2, 3, 5), feed, axes, {"time": 3})
     assert "fixes" not in err.message, err.message
     assert (err.hint or "").startswith("Kiln made that size by cutting the data's rows (its own: time=6)"), err.hint
+
+
+class _Graph(nn.Module):
+    """Node features [N, n, 4] and a square distance matrix [N, n, n] (a Graphormer's spd): both of spd's axes
+    follow the nodes."""
+
+    def forward(self, x: torch.Tensor, spd: torch.Tensor) -> torch.Tensor:
+        return (spd @ x).sum(1)
+
+
+def test_a_square_input_declared_on_one_axis_is_told_to_declare_the_other() -> None:
+    rng = np.random.default_rng(0)
+    feed = {"x": rng.random((2, 12, 4), dtype=np.float32), "spd": rng.random((2, 12, 12), dtype=np.float32)}
+    axes, point = {"x": {1: "n"}, "spd": {1: "n"}}, {"n": 6}
+    inputs = from_feed(resize(feed, axes, point), {k: torch.from_numpy(v) for k, v in feed.items()})
+    with pytest.raises(ModelError, match=r"the model fails at n=6") as err:
+        torch_at(_Graph().eval(), inputs, point, [feed, feed, feed], axes, {})
+    hint = err.value.hint or ""
+    assert hint.startswith(
+        "if input 'spd' (axis 2: 12 in the data, as n) varies with it, declare that too, "
+        "signature.dynamic_axes: {spd: {1: n, 2: n}}; else"
+    ), hint
+    assert "remove the axes" not in hint
