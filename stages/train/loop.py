@@ -150,6 +150,25 @@ def outputs_finite(
     return finite
 
 
+FORWARD_NAN = (
+    "the model's outputs are already NaN or infinite on the first training batch, before any update: its forward "
+    "makes them, not training"
+)
+FORWARD_NAN_FIX = (
+    "find where forward makes NaN: a softmax over a row whose scores are all -inf (a padded query whose keys are all "
+    "masked) is NaN; keep one key unmasked per row (the row's own position, or a virtual token), or fill masked "
+    "scores with a large negative number (torch.finfo(scores.dtype).min) instead of -inf"
+)
+
+
+def first_batch_nonfinite(
+    model: nn.Module, x: Inputs, device: torch.device, batch: int, forward: Callable[..., Any] | None = None
+) -> bool:
+    """Whether ``model`` answers the first ``batch`` training rows ``x`` with NaN or infinity (:func:`outputs_finite`):
+    at weights no step has updated, the forward itself makes them, which no learning rate or precision fixes."""
+    return not outputs_finite(model, take(x, slice(0, batch)), device, batch=batch, forward=forward)
+
+
 def evaluate(model: nn.Module, x: Inputs, y: torch.Tensor, device: torch.device, batch: int = 256) -> float | None:
     return evaluate_loss_acc(model, x, y, device, batch=batch)[1]
 
@@ -661,6 +680,12 @@ class _Trainer:
                 # another precision helps a reduced-precision run only: fp32 is the most range there is
                 other = " or ".join(p for p in ("bf16", "fp32") if p != self.precision)
                 precision = f"use train.precision: {other}, " if self.precision != "fp32" else ""
+                if self._forward_makes_nan():
+                    raise TrainingError(
+                        f"loss/gradients non-finite for {self.bad_streak} consecutive steps since training started: "
+                        f"{FORWARD_NAN}",
+                        hint=FORWARD_NAN_FIX,
+                    )
                 if self._never_updated(loss_v):
                     raise TrainingError(
                         f"gradients non-finite on a finite loss at every step since training started ({s.step} "
@@ -683,6 +708,13 @@ class _Trainer:
         return (
             not self.updates and self.result.resumed_from is None and math.isfinite(loss) and self.precision != "fp32"
         )
+
+    def _forward_makes_nan(self) -> bool:
+        """Whether no step of this run (not resumed) has updated the weights and the model's outputs on the first
+        training batch are not finite (:func:`first_batch_nonfinite`): a NaN of the forward, not of training."""
+        if self.updates or self.result.resumed_from is not None:
+            return False
+        return first_batch_nonfinite(self.model, self.data.train_x, self.device, self.eval_batch)
 
     def _fixed_scale_overflow(self, s: StepStats) -> None:
         """A step whose fp16 gradients overflowed the fixed loss scale on a finite loss: skipped and counted as an
@@ -764,8 +796,9 @@ class _Trainer:
         """Why the validation loss is not finite, in words: the model's outputs, or (finite outputs) the loss."""
         if not outputs_finite(self.model, self.data.val_x, self.device, self.env, self.eval_batch, self.net):
             return (
-                "the model answers some held-out samples with NaN or infinity (a row whose attention keys are all "
-                "masked gives NaN in torch's fast attention path)"
+                "the model answers some held-out samples with NaN or infinity: its forward makes them (a softmax over "
+                "a row whose attention scores are all masked to -inf gives NaN, in the model's own attention or "
+                "torch's)"
             )
         if self.cfg.loss is not None:
             return f"the model's outputs are finite: train.loss {self.cfg.loss} returns NaN or infinity for them"

@@ -10,7 +10,7 @@ import inspect
 import itertools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from kiln.stages.train.checkpoint import run_key
 from kiln.stages.train.declaration import TrainSettings, TrainSummary
 from kiln.stages.train.dist import env_from_torchrun, process_group
 from kiln.stages.train.launch import run_torchrun
-from kiln.stages.train.loop import evaluate_loss_acc, train
+from kiln.stages.train.loop import FORWARD_NAN, FORWARD_NAN_FIX, evaluate_loss_acc, first_batch_nonfinite, train
 from kiln.stages.train.metrics import EpochMetrics, TrainResult
 from kiln.stages.train.precision import resolve_device
 from kiln.stages.train.task import Task, check_task, scoring_task, task_for
@@ -113,7 +113,7 @@ def train_to(
             task=task,
             sources=sources,
         )
-    check_learned(result)
+    check_learned(result, lambda: first_batch_nonfinite(model, data.train_x, device, config.train.batch_size))
     warn_learned_nothing_held_out(result.history, chance_loss(task, data.num_classes))
     warn_diverged(result.history, chance_loss(task, data.num_classes))
     if env.is_main:
@@ -138,18 +138,23 @@ def said_warnings(logger: logging.Logger) -> Iterator[list[str]]:
         logger.removeHandler(handler)
 
 
-def check_learned(result: TrainResult) -> None:
+def check_learned(result: TrainResult, forward_nan: Callable[[], bool] | None = None) -> None:
     """A training in which no optimizer step was taken (each one skipped for a non-finite loss or an fp16 overflow)
-    learned nothing: an error, never weights that go on to pass every gate against themselves."""
+    learned nothing: an error, never weights that go on to pass every gate against themselves. ``forward_nan``: at
+    the weights no step updated, whether the model's outputs on the first batch are not finite, asked only where
+    steps were skipped for a non-finite loss: then the forward makes the NaN, and the fix is in the model."""
     planned = sum(m.steps for m in result.history)
     nonfinite = sum(m.nonfinite_steps for m in result.history)
     overflow = sum(m.skipped_steps for m in result.history)
-    if planned and nonfinite + overflow >= planned:
-        raise TrainingError(
-            f"no training step was taken: all {planned} were skipped ({nonfinite} with a non-finite loss or "
-            f"gradients, {overflow} for fp16 gradient overflow); the model learned nothing",
-            hint=_none_taken_fix(nonfinite, overflow),
-        )
+    if not planned or nonfinite + overflow < planned:
+        return
+    said = (
+        f"no training step was taken: all {planned} were skipped ({nonfinite} with a non-finite loss or gradients, "
+        f"{overflow} for fp16 gradient overflow); the model learned nothing"
+    )
+    if nonfinite and result.resumed_from is None and forward_nan is not None and forward_nan():
+        raise TrainingError(f"{said}: {FORWARD_NAN}", hint=FORWARD_NAN_FIX)
+    raise TrainingError(said, hint=_none_taken_fix(nonfinite, overflow))
 
 
 def _none_taken_fix(nonfinite: int, overflow: int) -> str:
