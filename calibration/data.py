@@ -12,10 +12,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
 from kiln.calibration.config import CalibrationConfig
-from kiln.core.data import DatasetSplits, feed_for_graph, rows, take, tensors
+from kiln.core.data import DatasetSplits, feed_for_graph, is_tensor, rows, take, tensors
 from kiln.core.errors import ConfigError
 from kiln.core.feeds import in_batches, rows_per_call
 from kiln.core.labels import is_label_name
@@ -35,6 +34,8 @@ def dataset_batches(
 ) -> list[Batch]:
     """``num_batches`` x ``batch_size`` samples of the training split, in a seeded order (deterministic), at the
     data's real shapes. ``names``: the model's input names, to give feeds (required for several inputs)."""
+    import torch  # the dataset's tensors are torch's: loaded by the dataset already
+
     x = data.train_x if rows(data.train_x) else data.val_x
     perm = torch.randperm(rows(x), generator=torch.Generator().manual_seed(seed))
     batches: list[Batch] = []
@@ -256,11 +257,13 @@ def _as_batch(item: Any) -> ReaderBatch:
 
 def _all_arrays(item: Any) -> bool:
     """Whether ``item`` is a tuple or list of arrays or tensors only."""
-    return isinstance(item, (tuple, list)) and all(isinstance(v, (np.ndarray, torch.Tensor)) for v in item)
+    return isinstance(item, (tuple, list)) and all(isinstance(v, np.ndarray) or is_tensor(v) for v in item)
 
 
 def _as_array(item: Any) -> np.ndarray:
-    if isinstance(item, torch.Tensor):  # one that needs grad, lives on a GPU, or is bfloat16 (no numpy type)
+    if is_tensor(item):  # one that needs grad, lives on a GPU, or is bfloat16 (no numpy type)
+        import torch  # loaded already: the reader gave a tensor
+
         item = item.detach().cpu()
         return (item.float() if item.dtype == torch.bfloat16 else item).numpy()
     return np.asarray(item)

@@ -9,18 +9,21 @@ Every stage reaches the inputs through the helpers here, so the three forms mean
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
 import numpy as np
-import torch
 
 from kiln.core.errors import ConfigError
 from kiln.core.labels import IGNORE_LABEL
 from kiln.core.records import IntRange, TensorSpec, trailing_axes
 
-Inputs = torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the ONNX-only commands load none
+    import torch
+
+Inputs: TypeAlias = "torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]"
 SINGLE_INPUT = "input"  # the ONNX name of a model's only input, when it is passed as a bare tensor
 
 
@@ -58,26 +61,32 @@ class DatasetSplits:
     def classification(self) -> bool:
         """Integer labels: a classification task (cross-entropy, accuracy)."""
         y = self.train_y if self.train_y is not None else self.val_y
-        return y is not None and not torch.is_floating_point(y)
+        return y is not None and not y.is_floating_point()
 
 
 # --------------------------------------------------------------------------------------------------- structure
+def is_tensor(x: Any) -> TypeGuard[torch.Tensor]:
+    """Whether ``x`` is a torch tensor, without importing torch: an object can be one only once torch is loaded."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def tensors(x: Inputs) -> list[torch.Tensor]:
     """The input tensors in call order."""
-    if isinstance(x, torch.Tensor):
+    if is_tensor(x):
         return [x]
     return list(x.values()) if isinstance(x, Mapping) else list(x)
 
 
 def _keys(x: Inputs) -> list[str]:
-    if isinstance(x, torch.Tensor):
+    if is_tensor(x):
         return [SINGLE_INPUT]
     return [str(k) for k in x] if isinstance(x, Mapping) else [str(i) for i in range(len(x))]
 
 
 def rebuild(like: Inputs, parts: list[Any]) -> Any:
     """``parts`` (one per input, in call order) in the structure of ``like``."""
-    if isinstance(like, torch.Tensor):
+    if is_tensor(like):
         return parts[0]
     if isinstance(like, Mapping):
         return dict(zip(like, parts))
@@ -104,7 +113,7 @@ def call(model: Any, x: Any) -> Any:
 
 def input_names(model: Any, x: Inputs) -> list[str]:
     """ONNX input names: the dict keys, the forward's parameter names for a tuple, ``input`` for one tensor."""
-    if isinstance(x, torch.Tensor):
+    if is_tensor(x):
         return [SINGLE_INPUT]
     if isinstance(x, Mapping):
         return [str(k) for k in x]
@@ -120,7 +129,7 @@ def check_axes_name_inputs(model: Any, x: Inputs, dynamic_axes: Mapping[str, Any
     names = input_names(model, x)
     unknown = sorted(set(dynamic_axes or {}) - set(names))
     if unknown:
-        single = isinstance(x, torch.Tensor)  # one tensor of data is the input "input", whatever forward calls it
+        single = is_tensor(x)  # one tensor of data is the input "input", whatever forward calls it
         raise ConfigError(
             f"signature.dynamic_axes names {unknown}, which are not model inputs {names}",
             hint=f"key signature.dynamic_axes by the model's input names (data of one tensor is the input "
@@ -241,6 +250,8 @@ def feed_for_graph(x: Inputs, names: list[str], where: str = "the ONNX model") -
 
 def from_feed(feed: Mapping[str, np.ndarray], like: Inputs) -> Any:
     """A feed back into the model's call structure (as ``like``), as torch tensors."""
+    import torch
+
     return rebuild(like, [torch.from_numpy(np.ascontiguousarray(a)) for a in feed.values()])
 
 
@@ -270,7 +281,7 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
     for split in ("train", "val"):
         x, y = getattr(data, f"{split}_x"), getattr(data, f"{split}_y")
         _check_x(x, f"{split}_x", ref)
-        if y is not None and not isinstance(y, torch.Tensor):
+        if y is not None and not is_tensor(y):
             raise DataContractError(
                 f"dataset '{ref}' gives {split}_y as {type(y).__name__}, not a torch.Tensor or None",
                 hint=_labels_hint(y),
@@ -326,7 +337,7 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
     for split, x in (("train_x", tx), ("val_x", vx)):
         check_tied_sizes(x, names, dynamic or {}, f"dataset '{ref}' {split}")
     for name, a, b in zip(names, tensors(tx), tensors(vx)):
-        which = "" if isinstance(vx, torch.Tensor) else f"input '{name}': "
+        which = "" if is_tensor(vx) else f"input '{name}': "
         if a.dtype != b.dtype:
             raise DataContractError(
                 f"dataset '{ref}': {which}train_x is {a.dtype} but val_x is {b.dtype}",
@@ -373,6 +384,8 @@ def _flat_bags(inputs: Mapping[str, torch.Tensor]) -> tuple[str, str] | None:
 
 
 def _integers(t: torch.Tensor) -> bool:
+    import torch
+
     return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
@@ -380,7 +393,7 @@ def _labels_hint(y: Any) -> str:
     """The fix for labels that are no tensor: targets in parts (a detector's ``{hm, wh, reg}``, tensors already) are
     packed into one, which batching, training and validation carry as one; anything else is an array to wrap."""
     parts = list(y.values()) if isinstance(y, Mapping) else y if isinstance(y, (tuple, list)) else []
-    if parts and all(isinstance(t, torch.Tensor) for t in parts):
+    if parts and all(is_tensor(t) for t in parts):
         return (
             "pack the targets into one tensor, one row per sample (torch.cat along a channel axis, or torch.stack "
             "along a new axis), and split them again in train.loss (targets[:, :C] for the first C channels)"
@@ -390,7 +403,7 @@ def _labels_hint(y: Any) -> str:
 
 def _item(x: Inputs, name: str) -> str:
     """How code reaches input ``name`` of ``x``: ``['ids']``, ``[1]``, or nothing for a bare tensor."""
-    if isinstance(x, torch.Tensor):
+    if is_tensor(x):
         return ""
     return f"[{name!r}]" if isinstance(x, Mapping) else f"[{name}]"
 
@@ -398,7 +411,7 @@ def _item(x: Inputs, name: str) -> str:
 def _unknown_names(x: Inputs, dynamic: Mapping[str, Any]) -> list[str]:
     """The keys of ``signature.dynamic_axes`` that name no input of ``x``, where the data fixes the input names (a
     bare tensor is ``input``, a dict names its own; a tuple's names are the model's forward parameters)."""
-    if not isinstance(x, (torch.Tensor, Mapping)):
+    if not (is_tensor(x) or isinstance(x, Mapping)):
         return []
     return sorted(set(dynamic) - set(_keys(x)))
 
@@ -416,13 +429,13 @@ def _shape_hint(x: Inputs, name: str, differ: list[int], dynamic: Mapping[str, A
     """The fix for samples of another shape in each split: declare the varying axis under the input's own name,
     or, where the axes are declared under a name the data lacks, key them by the data's names."""
     unknown = _unknown_names(x, dynamic)
-    if unknown and isinstance(x, torch.Tensor):
+    if unknown and is_tensor(x):
         axes = ", ".join(f"{axis}: {label}" for axis, label in dict(dynamic[unknown[0]]).items())
         return (
             f"key signature.dynamic_axes by '{name}' (data given as one tensor is the input '{name}': "
             f"{{{name}: {{{axes}}}}}), or give the data as a dict {{'{unknown[0]}': tensor}}"
         )
-    if not isinstance(x, (torch.Tensor, Mapping)):  # a tuple's inputs are named by forward(), which data lacks
+    if not (is_tensor(x) or isinstance(x, Mapping)):  # a tuple's inputs are named by forward(), which data lacks
         return (
             "give train_x and val_x as dicts keyed by forward()'s parameter names, the names signature.dynamic_axes "
             "takes (a tuple's inputs have no names until the model is called), and declare the axis that varies "
@@ -440,6 +453,8 @@ def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> No
     """Integer labels are classes 0..num_classes-1, one per row ([N]) or one per position ([N, S] token labels,
     [N, H, W] pixel labels; ``IGNORE_LABEL`` marks a row or position without one, as torch's cross-entropy and
     Kiln's accuracy read it: kiln.core.labels); float targets may have any shape."""
+    import torch
+
     if y.dtype.is_floating_point:
         return
     if y.dtype.is_complex or y.dtype == torch.bool:
@@ -502,7 +517,7 @@ def _check_values(x: Inputs, y: torch.Tensor | None, split: str, ref: str) -> No
     """Inputs of a type a model can take (real numbers or booleans), and no NaN or infinity in float inputs or
     targets: a NaN would otherwise skip every training step or fail a gate as if the engine were wrong."""
     for key, t in zip(_keys(x), tensors(x)):
-        where = f"{split}_x" + ("" if isinstance(x, torch.Tensor) else f"[{key!r}]")
+        where = f"{split}_x" + ("" if is_tensor(x) else f"[{key!r}]")
         if t.dtype.is_complex:
             raise DataContractError(
                 f"dataset '{ref}' gives {where} as {t.dtype}: complex inputs cannot be exported or run",
@@ -516,7 +531,7 @@ def _check_values(x: Inputs, y: torch.Tensor | None, split: str, ref: str) -> No
 def _check_finite(t: torch.Tensor, where: str, ref: str) -> None:
     if not t.dtype.is_floating_point:
         return
-    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    nan, inf = int(t.isnan().sum()), int(t.isinf().sum())
     if nan or inf:
         counts = " and ".join(s for s in (f"{nan} NaN" if nan else "", f"{inf} infinite" if inf else "") if s)
         raise DataContractError(
@@ -559,7 +574,7 @@ def _check_x(x: Any, field: str, ref: str) -> None:
         raise DataContractError(f"dataset '{ref}' gives train_x as None", hint=_TRAIN_X_HINT)
     items = (
         [x]
-        if isinstance(x, torch.Tensor)
+        if is_tensor(x)
         else list(x.values())
         if isinstance(x, Mapping)
         else list(x)
@@ -574,7 +589,7 @@ def _check_x(x: Any, field: str, ref: str) -> None:
             hint="wrap arrays with torch.from_numpy(...) in the dataset function",
         )
     for key, t in zip(_keys(x) if items else [], items):
-        if not isinstance(t, torch.Tensor):
+        if not is_tensor(t):
             raise DataContractError(
                 f"dataset '{ref}' gives {field}[{key!r}] as {type(t).__name__}, not a torch.Tensor",
                 hint="wrap arrays with torch.from_numpy(...) in the dataset function",
@@ -587,11 +602,11 @@ def _check_x(x: Any, field: str, ref: str) -> None:
 
 
 def _form(x: Inputs) -> str:
-    return "tensor" if isinstance(x, torch.Tensor) else "dict" if isinstance(x, Mapping) else "tuple"
+    return "tensor" if is_tensor(x) else "dict" if isinstance(x, Mapping) else "tuple"
 
 
 def _describe(x: Inputs) -> str:
-    if isinstance(x, torch.Tensor):
+    if is_tensor(x):
         return "a tensor"
     if isinstance(x, Mapping):
         return f"a dict with keys {list(x)}"

@@ -5,28 +5,23 @@ fields are ``None``), nested or not. Every stage sees them flattened the same wa
 output and a validation row share one name: ``logits`` for a bare tensor, ``output_<i>`` for tuple items, the keys
 of a dict, the fields of a NamedTuple, and ``parent.child`` paths inside nested ones. A ``None`` among them (an
 absent loss: nanoGPT's ``(logits, None)``) is left out, as ``torch.onnx.export`` leaves it out; the others keep
-their names.
+their names. Which output holds the class logits is :mod:`kiln.core.output_names`' (no torch there), re-exported
+here.
 """
 
 from __future__ import annotations
 
-import json
-import shlex
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
-import yaml
 from torch import nn
 
 from kiln.core.data import call, rebuild, tensors
-from kiln.core.errors import ConfigError, ModelError
-from kiln.core.labels import floating
-from kiln.core.text import FEATURE_NAMES
-
-SINGLE_OUTPUT = "logits"
+from kiln.core.errors import ModelError
+from kiln.core.output_names import SINGLE_OUTPUT, class_logits, logits_flag, logits_name
 
 
 def flatten_outputs(out: Any, ref: str = "model", left_out: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -78,58 +73,6 @@ def _leaves(value: Any, path: str, ref: str, left_out: list[str]) -> list[tuple[
     return leaves
 
 
-def logits_name(names: Sequence[str], setting: str | int | None) -> str | None:
-    """``signature.logits_output``: the named or indexed output; default the only output (unless its name says it
-    holds features: :data:`FEATURE_NAMES`), else ``logits``, else None (no class logits: no accuracy, no top-1). A
-    number that is an output's name is that output, not an index: the TorchScript exporter names outputs ``18`` or
-    ``0``, and YAML and ``--set`` read ``18`` as a number."""
-    if setting is None:
-        if len(names) == 1 and not FEATURE_NAMES.search(names[0]):
-            return names[0]
-        return SINGLE_OUTPUT if SINGLE_OUTPUT in names else None
-    if str(setting) in names:
-        return str(setting)
-    if isinstance(setting, int):
-        if not -len(names) <= setting < len(names):
-            raise ConfigError(
-                f"signature.logits_output {setting} is out of range: the model has {len(names)} outputs {list(names)}",
-                hint=_naming_hint(names, "give an index below the number of outputs, or a name"),
-            )
-        return names[setting]
-    raise ConfigError(
-        f"signature.logits_output '{setting}' is not an output of the model: {list(names)}",
-        hint=_naming_hint(names, "name one of the model's outputs, or give its index"),
-    )
-
-
-def _naming_hint(names: Sequence[str], what: str) -> str:
-    """The fix for a ``signature.logits_output`` that is none of ``names``: ``what``, with the ``--set`` naming the
-    first output as the CLI reads it (:func:`logits_flag`); none where there is no output to name."""
-    if not names:
-        return "leave signature.logits_output out: the model has no outputs to name"
-    return f"{what} (e.g. {logits_flag(names[0])})"
-
-
-def logits_flag(name: str) -> str:
-    """The ``--set`` that names output ``name`` as ``signature.logits_output``, quoted so that the CLI reads it as
-    that name: ``--set 'signature.logits_output="18"'`` (YAML would read a bare ``18`` as a number, ``true`` or
-    ``null`` as no name at all)."""
-    try:
-        plain = yaml.safe_load(name) == name and name.strip() == name
-    except yaml.YAMLError:
-        plain = False
-    value = name if plain else json.dumps(name)
-    return f"--set {shlex.quote(f'signature.logits_output={value}')}"
-
-
-def class_logits(names: Sequence[str], setting: str | int | None, labels: Any) -> str | None:
-    """:func:`logits_name` for a run with ``labels`` (the held-out targets): float targets are a regression's, whose
-    output holds values, not class logits, unless ``signature.logits_output`` names one."""
-    if setting is None and labels is not None and floating(tensors(labels)[0]):
-        return None
-    return logits_name(names, setting)
-
-
 class FlatModel(nn.Module):
     """``model`` taking its inputs as positional tensors (in ``like``'s order) and returning a tuple of output
     tensors (in :func:`flatten_outputs`'s order): the one form ``torch.onnx.export`` and the comparisons need."""
@@ -170,3 +113,6 @@ def as_traced() -> Iterator[None]:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(enabled)
+
+
+__all__ = ["SINGLE_OUTPUT", "FlatModel", "class_logits", "logits_flag", "logits_name"]

@@ -14,23 +14,24 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from kiln.core.artifacts import write_bytes_atomic
 from kiln.core.compare import class_axis
-from kiln.core.data import DatasetSplits, feed_for_graph, rows
+from kiln.core.data import DatasetSplits, feed_for_graph, is_tensor, rows
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.feeds import check_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx
-from kiln.core.outputs import logits_name
+from kiln.core.output_names import logits_name
 from kiln.core.records import TensorSpec
 from kiln.core.signature import Signature
 from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model, load_dataset, resolve_callable
+
+if TYPE_CHECKING:  # torch is imported in the functions that read weights or make tensors, not to import this module
+    import torch
+    from torch import nn
 
 log = logging.getLogger("kiln")
 WEIGHTS = "model.safetensors"
@@ -257,6 +258,8 @@ def random_splits(path: Path, signature: Signature, seed: int, rows: int = 64) -
     _say_random(str(path))
 
     def make(seed: int) -> dict[str, torch.Tensor]:
+        import torch
+
         arrays = random_inputs(inputs, rows, dynamic=dynamic, seed=seed, int_ranges=ids)
         return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
@@ -291,6 +294,8 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             from safetensors.torch import load_file
 
             return load_file(str(path))
+        import torch
+
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # corrupt or not a checkpoint: a user problem, not a Kiln bug
         reason = _load_failure(exc)
@@ -310,13 +315,11 @@ def _weights_in(state: Any, path: Path) -> dict[str, torch.Tensor]:
             f"checkpoint {path} holds {type(state).__name__}, not a state dict",
             hint="save with torch.save(model.state_dict(), path)",
         )
-    holders = [
-        k for k, v in state.items() if isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values())
-    ]
+    holders = [k for k, v in state.items() if isinstance(v, dict) and any(is_tensor(t) for t in v.values())]
     known = [k for k in holders if k in WEIGHTS_KEYS]
     # a state dict's values are tensors, never dicts: a known key holding tensors beside a scalar tensor (a step
     # count, best_acc1) is a training checkpoint's
-    if not state or (len(known) != 1 and any(isinstance(v, torch.Tensor) for v in state.values())):
+    if not state or (len(known) != 1 and any(is_tensor(v) for v in state.values())):
         return state  # {}: a model without weights
     if len(known) == 1:
         log.info(
@@ -494,8 +497,10 @@ def _weight_norm_matched(model: nn.Module, state: dict[str, torch.Tensor], sourc
 def _norm_of(w: Any, g_shape: tuple[int, ...]) -> torch.Tensor | None:
     """weight_norm's g of the weight ``w`` for a g of shape ``g_shape``: the 2-norm of ``w`` over the axes where
     ``g_shape`` is 1 (all of them for a g of one value); None where that shape is not one of ``w``'s norms."""
-    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+    if not is_tensor(w) or not w.is_floating_point():
         return None
+    import torch
+
     if g_shape == ():
         return torch.linalg.vector_norm(w)
     if len(g_shape) != w.ndim or any(n not in (1, size) for n, size in zip(g_shape, w.shape)):
@@ -508,6 +513,7 @@ def _is_weight_norm(model: nn.Module, base: str, g_key: str, g: torch.Tensor, v:
     """Whether the model computes its weight ``base`` (``X.W``, g at ``g_key``) as weight_norm does: the older form
     by its hook (``W_g``/``W_v`` are its names), the parametrizations form by running the model's parametrization on
     ``g`` and ``v`` (``original0``/``original1`` name any parametrization of two tensors)."""
+    import torch
     from torch.nn.utils.parametrize import ParametrizationList
     from torch.nn.utils.weight_norm import WeightNorm
 
@@ -580,7 +586,7 @@ def _module_paths(key: str) -> list[str]:
 
 def _shape(value: Any) -> tuple[int, ...] | None:
     """A state value's shape (None for one that is no tensor, which then fits no key)."""
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+    return tuple(value.shape) if is_tensor(value) else None
 
 
 def _key_groups(keys: list[str]) -> list[str]:
@@ -608,7 +614,7 @@ def _misfit(wanted: dict[str, torch.Tensor], state: dict[str, Any], exc: Runtime
     sizes = [
         f"{k}: {list(v.shape)} in the checkpoint, {list(wanted[k].shape)} in the model"
         for k, v in state.items()
-        if k in wanted and isinstance(v, torch.Tensor) and v.shape != wanted[k].shape
+        if k in wanted and is_tensor(v) and v.shape != wanted[k].shape
     ]
     parts = [f"{len(missing)} of the model's {len(wanted)} keys missing ({_few(missing)})"] if missing else []
     if unexpected:

@@ -40,7 +40,7 @@ from kiln.core.labels import (
     without_padding,
 )
 from kiln.core.labels import accuracy as label_accuracy
-from kiln.core.outputs import logits_name
+from kiln.core.output_names import logits_name
 from kiln.core.records import EngineValidation
 from kiln.core.shapes import Axes, axis_sizes, length_inputs, resize, shape_points
 from kiln.stages.accuracy.config import CheckConfig, GatesConfig

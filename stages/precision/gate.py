@@ -20,7 +20,7 @@ from kiln.core.compare import AGREEMENT_NAMES
 from kiln.core.data import Feed
 from kiln.core.feeds import fixed_batch
 from kiln.core.onnx_io import io_specs, ort_session
-from kiln.core.outputs import logits_name
+from kiln.core.output_names import logits_name
 from kiln.core.records import EngineValidation
 from kiln.core.timing import MIN_ROUNDS, interleave, median_interval, time_calls
 from kiln.stages.accuracy.check import (

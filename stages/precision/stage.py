@@ -26,7 +26,7 @@ from kiln.calibration.quantize import DYNAMIC_RECURRENT, check_exclusions, quant
 from kiln.core.data import DatasetSplits, feed_for_graph, fixed_columns, integer_ranges, rows, take
 from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
-from kiln.core.outputs import class_logits
+from kiln.core.output_names import class_logits
 from kiln.core.progress import Progress
 from kiln.core.records import PrecisionVariant, TensorSpec, Variants
 from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points

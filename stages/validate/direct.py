@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from kiln.core.compare import OutputStats
 from kiln.core.data import feed_rows
@@ -74,6 +73,46 @@ def _reference_error(
     )
 
 
+def _checkpoint_outputs(
+    reference: Path,
+    feed: dict[str, np.ndarray],
+    cfg: ValidateSettings,
+    batch: int | None,
+    loaded: dict[str, Any],
+    random: bool,
+) -> dict[str, np.ndarray]:
+    """:func:`reference_outputs` of a PyTorch checkpoint of ``cfg.model``, the one reference that needs torch (imported
+    here, not with the module)."""
+    import torch
+
+    if "model" not in loaded:
+        built = build_model(cfg.model.name, cfg.model.params)
+        loaded["model"] = load_weights(built, read_state_dict(reference), str(reference)).float().eval()
+    model = loaded["model"]
+
+    def run(part: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = {k: torch.from_numpy(v) for k, v in part.items()}
+        return host_arrays(named_outputs(model, next(iter(x.values())) if len(x) == 1 else x))
+
+    doing = RANDOM_DOING if random else "running the reference model on the engine's inputs"
+    # The determinism check on the first batch the reference gets (a model of one row a call takes no other),
+    # two rows where it takes any: two more calls over the whole feed would triple the reference's time
+    rows = in_batches(feed, batch)[0] if batch is not None else {k: v[:2] for k, v in feed.items()}
+    first = {k: torch.from_numpy(v) for k, v in rows.items()}
+    try:
+        with torch.inference_mode(), running_user_code(doing, f"reference {reference.name}", OTHER_MODEL, True):
+            refuse_random(model, next(iter(first.values())) if len(first) == 1 else first)
+            return run_batched(run, feed, batch)
+    except UserCodeError as err:  # the user's model raised: on random values, said as such
+        if random and not isinstance(err.__cause__, SystemExit):
+            raise _on_random(err) from err.__cause__
+        raise
+    except KilnError:
+        raise
+    except Exception as exc:  # in torch, not the user's file: out of memory, or the inputs are another model's
+        raise _reference_error(reference, cfg, feed, exc, random) from None
+
+
 def reference_outputs(
     reference: Path,
     feed: dict[str, np.ndarray],
@@ -90,32 +129,7 @@ def reference_outputs(
     checkpoint's model that raises on it is said to have met values it may reject, with real samples as the fix."""
     loaded = {} if loaded is None else loaded
     if reference.suffix != ".onnx":
-        if "model" not in loaded:
-            built = build_model(cfg.model.name, cfg.model.params)
-            loaded["model"] = load_weights(built, read_state_dict(reference), str(reference)).float().eval()
-        model = loaded["model"]
-
-        def run(part: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            x = {k: torch.from_numpy(v) for k, v in part.items()}
-            return host_arrays(named_outputs(model, next(iter(x.values())) if len(x) == 1 else x))
-
-        doing = RANDOM_DOING if random else "running the reference model on the engine's inputs"
-        # The determinism check on the first batch the reference gets (a model of one row a call takes no other),
-        # two rows where it takes any: two more calls over the whole feed would triple the reference's time
-        rows = in_batches(feed, batch)[0] if batch is not None else {k: v[:2] for k, v in feed.items()}
-        first = {k: torch.from_numpy(v) for k, v in rows.items()}
-        try:
-            with torch.inference_mode(), running_user_code(doing, f"reference {reference.name}", OTHER_MODEL, True):
-                refuse_random(model, next(iter(first.values())) if len(first) == 1 else first)
-                return run_batched(run, feed, batch)
-        except UserCodeError as err:  # the user's model raised: on random values, said as such
-            if random and not isinstance(err.__cause__, SystemExit):
-                raise _on_random(err) from err.__cause__
-            raise
-        except KilnError:
-            raise
-        except Exception as exc:  # in torch, not the user's file: out of memory, or the inputs are another model's
-            raise _reference_error(reference, cfg, feed, exc, random) from None
+        return _checkpoint_outputs(reference, feed, cfg, batch, loaded, random)
     if "graph" not in loaded:
         loaded["graph"] = load_onnx(reference)
         check_tensor_io(loaded["graph"], f"reference {reference.name}")

@@ -1,0 +1,70 @@
+"""Which of a model's named outputs holds the class logits (``signature.logits_output``), without torch: the commands
+that run ONNX files (``kiln build``, ``kiln precision``, ``kiln validate``) read it and load no torch."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from kiln.core.data import tensors
+from kiln.core.errors import ConfigError
+from kiln.core.labels import floating
+from kiln.core.text import FEATURE_NAMES
+
+SINGLE_OUTPUT = "logits"
+
+
+def logits_name(names: Sequence[str], setting: str | int | None) -> str | None:
+    """``signature.logits_output``: the named or indexed output; default the only output (unless its name says it
+    holds features: :data:`FEATURE_NAMES`), else ``logits``, else None (no class logits: no accuracy, no top-1). A
+    number that is an output's name is that output, not an index: the TorchScript exporter names outputs ``18`` or
+    ``0``, and YAML and ``--set`` read ``18`` as a number."""
+    if setting is None:
+        if len(names) == 1 and not FEATURE_NAMES.search(names[0]):
+            return names[0]
+        return SINGLE_OUTPUT if SINGLE_OUTPUT in names else None
+    if str(setting) in names:
+        return str(setting)
+    if isinstance(setting, int):
+        if not -len(names) <= setting < len(names):
+            raise ConfigError(
+                f"signature.logits_output {setting} is out of range: the model has {len(names)} outputs {list(names)}",
+                hint=_naming_hint(names, "give an index below the number of outputs, or a name"),
+            )
+        return names[setting]
+    raise ConfigError(
+        f"signature.logits_output '{setting}' is not an output of the model: {list(names)}",
+        hint=_naming_hint(names, "name one of the model's outputs, or give its index"),
+    )
+
+
+def _naming_hint(names: Sequence[str], what: str) -> str:
+    """The fix for a ``signature.logits_output`` that is none of ``names``: ``what``, with the ``--set`` naming the
+    first output as the CLI reads it (:func:`logits_flag`); none where there is no output to name."""
+    if not names:
+        return "leave signature.logits_output out: the model has no outputs to name"
+    return f"{what} (e.g. {logits_flag(names[0])})"
+
+
+def logits_flag(name: str) -> str:
+    """The ``--set`` that names output ``name`` as ``signature.logits_output``, quoted so that the CLI reads it as
+    that name: ``--set 'signature.logits_output="18"'`` (YAML would read a bare ``18`` as a number, ``true`` or
+    ``null`` as no name at all)."""
+    try:
+        plain = yaml.safe_load(name) == name and name.strip() == name
+    except yaml.YAMLError:
+        plain = False
+    value = name if plain else json.dumps(name)
+    return f"--set {shlex.quote(f'signature.logits_output={value}')}"
+
+
+def class_logits(names: Sequence[str], setting: str | int | None, labels: Any) -> str | None:
+    """:func:`logits_name` for a run with ``labels`` (the held-out targets): float targets are a regression's, whose
+    output holds values, not class logits, unless ``signature.logits_output`` names one."""
+    if setting is None and labels is not None and floating(tensors(labels)[0]):
+        return None
+    return logits_name(names, setting)
