@@ -613,6 +613,11 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
         seconds = seconds_cell(stages[r.name]) if r.name in stages else f"{r.seconds:.2f}"
         table.add_row(r.name, f"[{style}]{r.status}[/]", seconds)
     results.print(table)
+    if "wall_seconds" in report:  # the rows leave out the cache checks (the first loads the data)
+        results.print(
+            f"{report['wall_seconds']:.2f} s in all, {report.get('check_seconds', 0.0):.2f} s of it checking which "
+            "stages are cached"
+        )
     _say_what_changed(result.records)
     v = validation_of(report)
     if v:

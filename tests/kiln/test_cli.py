@@ -146,6 +146,25 @@ def test_a_variant_its_gates_left_unmade_is_not_called_failed(monkeypatch) -> No
     assert "precision variant fp16 failed, the others were built" in said, said
 
 
+def test_the_summary_gives_the_runs_wall_time_beside_the_stage_rows(monkeypatch) -> None:
+    """The stage rows leave out the cache checks (the first loads the data): the summary says the run's wall time and
+    the part of it those checks took, under the table."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    import kiln.cli
+    import kiln.pipeline.report
+
+    out = io.StringIO()
+    monkeypatch.setattr(kiln.pipeline.report, "result_line", lambda report: "PASSED")
+    monkeypatch.setattr(kiln.cli, "results", Console(file=out, width=80))
+    report = {"stages": {}, "wall_seconds": 12.345, "check_seconds": 1.5}
+    kiln.cli._print_summary(SimpleNamespace(records=[]), report, Path("wd"))
+    assert "12.35 s in all, 1.50 s of it checking which stages are cached" in out.getvalue()
+
+
 def test_gate_failure_exit_code(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
     cfg = str(write_yaml(tiny_config_dict(**{"validate.gates.max_latency_p50_ms": 1e-9})))
     result = cli.invoke(main, ["run", cfg, "-w", str(tmp_path / "wd"), "--quiet"])
