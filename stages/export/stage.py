@@ -43,27 +43,25 @@ from kiln.stages.export.torch_export import export_with_fallback, input_axes
 log = logging.getLogger("kiln.export")
 
 
-def _data_feed(ctx: StageContext[ExportSettings], path: Path) -> dict[str, Any] | None:
-    """The data's first two held-out rows as a feed of the graph at ``path``; None where they do not fit it."""
+def _data_feed(ctx: StageContext[ExportSettings], path: Path) -> tuple[dict[str, Any] | None, str]:
+    """The data's first two held-out rows as a feed of the graph at ``path``, the one the taken file is checked and
+    probed with; None and why where they do not fit it."""
     names = [i.name for i in io_specs(load_onnx(path, load_external_data=False))[0]]
     try:
-        return feed_for_graph(take(ctx.dataset().val_x, slice(0, 2)), names)
-    except KilnError:
-        return None
-
-
-def _probe_taken(ctx: StageContext[ExportSettings]) -> dict[str, dict[int, str]]:
-    """:func:`name_output_axes` on a taken ``model.onnx``, with the data's first held-out rows, over the axes the file
-    declares dynamic under the file's own names (a two-tower model's ``texts`` and ``images`` are probed apart, and
-    its outputs keep them); nothing where the data does not fit the file (the stages that run it say why)."""
-    path = ctx.out / "model.onnx"
-    inputs, _ = io_specs(load_onnx(path, load_external_data=False))
-    names = [i.name for i in inputs]
-    try:
-        feed = feed_for_graph(take(ctx.dataset().val_x, slice(0, 2)), names)
+        return feed_for_graph(take(ctx.dataset().val_x, slice(0, 2)), names), ""
     except KilnError as exc:
-        log.info("output axes of %s not probed: %s", path.name, exc.message)
+        return None, exc.message
+
+
+def _probe_taken(feed: dict[str, Any] | None, why: str, path: Path) -> dict[str, dict[int, str]]:
+    """:func:`name_output_axes` on a taken ``model.onnx`` at ``path``, with ``feed`` (the data's first held-out rows:
+    :func:`_data_feed`), over the axes the file declares dynamic under the file's own names (a two-tower model's
+    ``texts`` and ``images`` are probed apart, and its outputs keep them); nothing where the data does not fit the
+    file (``why``; the stages that run it say more)."""
+    if feed is None:
+        log.info("output axes of %s not probed: %s", path.name, why)
         return {}
+    inputs, _ = io_specs(load_onnx(path, load_external_data=False))
     # axes named apart by their exporter that the graph takes at one size: one axis (both ties run)
     if tie_batch_axes(path, feed) | tie_other_axes(path, feed):
         inputs, _ = io_specs(load_onnx(path, load_external_data=False))
@@ -80,7 +78,8 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
             specs, _ = io_specs(load_onnx(ctx.config.model.onnx, load_external_data=False))
             random_axis_size(Path(ctx.config.model.onnx), specs, ctx.config.signature)
         src = Path(ctx.config.model.onnx)
-        summary = take_onnx(src, ctx.out / "model.onnx", ctx.config.signature.dynamic_axes, _data_feed(ctx, src))
+        feed, why = _data_feed(ctx, src)
+        summary = take_onnx(src, ctx.out / "model.onnx", ctx.config.signature.dynamic_axes, feed)
         if not on_random_inputs(ctx.config.model, ctx.config.data):
             refuse_outside_index(ctx.dataset(), ctx.out / "model.onnx", src.name, ctx.config.data.name or "the data")
         if torch_model_named(ctx.config.model) and "train" in ctx.inputs:
@@ -89,7 +88,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
             refuse_other_output_names(
                 model, example, summary.outputs, Path(ctx.config.model.onnx).name, ctx.config.model.name
             )
-        return summary.model_copy(update={"output_axes": _probe_taken(ctx)})
+        return summary.model_copy(update={"output_axes": _probe_taken(feed, why, ctx.out / "model.onnx")})
     if not cfg.dynamic_batch:
         # A static graph is fixed at the export example's batch; parity, build and validate all need others.
         raise ConfigError(
