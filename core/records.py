@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln.core.artifacts import write_text_atomic
@@ -203,6 +204,9 @@ class EngineMetadata(Record):
     # the class-logit output the run named (signature.logits_output), held to top-1 agreement when the engine is
     # validated again on its own (`kiln validate ENGINE`); None: not named (the default choice applies)
     logits_output: str | None = None
+    # what the run's agreement on those logits counted (EngineValidation.agreement): "decision" for a multi-label
+    # head, each (sample, label) pair's decision, which `kiln validate ENGINE` then counts too
+    logits_agreement: Literal["top1", "decision"] = "top1"
     settings_hash: str = ""
     size_bytes: int = 0
     file_hashes: dict[str, str] = Field(default_factory=dict)  # file -> sha256, checked by load_engine
@@ -537,6 +541,12 @@ class Percentiles(Part):
         """This latency over ``fast``'s (how many times faster ``fast`` is): the median of the ratios paired round by
         round (:func:`kiln.core.timing.paired_ratio`)."""
         return paired_ratio(self.rounds, fast.rounds, self.p50, fast.p50)
+
+    @classmethod
+    def of(cls, times_ms: list[float]) -> Percentiles:
+        """p50, p90 and p99 of the calls timed (numpy's linear interpolation), without rounds."""
+        p50, p90, p99 = np.percentile(np.asarray(times_ms), [50, 90, 99])
+        return cls(p50=float(p50), p90=float(p90), p99=float(p99))
 
 
 class Memory(Part):

@@ -92,6 +92,7 @@ LAZY_BOUNDARIES = {
     "kiln.stages.engines.onnxruntime",
     "kiln.stages.engines.tensorrt",
     "kiln.stages.engines.torch",
+    "kiln.stages.validate.direct",  # torch only for a checkpoint reference
 }
 
 

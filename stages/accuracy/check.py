@@ -488,6 +488,12 @@ COUNT_SLACK = 1e-9
 LOWBIT = ("int8", "fp8")
 
 
+def gated_list(gates: dict[str, Any]) -> list[str] | None:
+    """The outputs ``validate.gates.gated_outputs`` lists, as :func:`gates_for` records them (None: every output)."""
+    names = gates.get("gated_outputs")
+    return list(names) if isinstance(names, list) else None
+
+
 def gates_for(cfg: CheckConfig | GatesConfig, precision: str, no_class_logits: bool = False) -> dict[str, Any]:
     """The gates an engine of ``precision`` is held to: the defaults with that precision's overrides merged in. A
     model with ``no_class_logits`` (a regression's values, whose task no top-1 agreement guards) gets a concrete

@@ -16,7 +16,7 @@ import shutil
 from typing import Any
 
 from kiln.core.errors import GateFailure
-from kiln.core.records import EngineMetadata, ValidationResult
+from kiln.core.records import EngineMetadata, EngineValidation, ValidationResult
 from kiln.core.stage import StageContext
 from kiln.stages.package import INDEX
 
@@ -50,16 +50,17 @@ def triton_model_name(config_name: str, engine_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", f"{config_name}_{engine_name}")
 
 
-def _with_logits(meta: EngineMetadata, setting: str | int | None, held: bool) -> EngineMetadata:
-    """``meta`` naming the output the run held to top-1 agreement (``signature.logits_output``, by name), which
-    ``kiln validate ENGINE`` then holds to it too; unchanged where the run named none, or where validation did not
-    hold it (``held`` false: a regression head's values, which no top-1 agreement guards)."""
+def _with_logits(meta: EngineMetadata, setting: str | int | None, result: EngineValidation) -> EngineMetadata:
+    """``meta`` naming the output the run held to top-1 agreement (``signature.logits_output``, by name) and what
+    that agreement counted (a multi-label head's decisions), which ``kiln validate ENGINE`` then holds it to too;
+    unchanged where the run named none, or where validation did not hold it (``result`` has no top-1 agreement: a
+    regression head's values, which no top-1 agreement guards)."""
     names = [o.name for o in meta.outputs]
-    if setting is None or not held:
+    if setting is None or result.top1_agreement is None:
         return meta
     # validation checked the setting against the outputs; read here without kiln.core.outputs, which loads torch
     name = str(setting) if str(setting) in names else names[setting] if isinstance(setting, int) else None
-    return meta.model_copy(update={"logits_output": name})
+    return meta.model_copy(update={"logits_output": name, "logits_agreement": result.agreement})
 
 
 def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
@@ -88,8 +89,7 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             continue  # only engines proven against PyTorch (and, with precision.require_speedup, faster) are served
         packaged_dir = ctx.out / "engines" / meta.name
         shutil.copytree(engine_dir, packaged_dir)
-        held = result.top1_agreement is not None
-        validated = _with_logits(validation.served_metadata(meta), ctx.config.logits_output, held)
+        validated = _with_logits(validation.served_metadata(meta), ctx.config.logits_output, result)
         if validated != meta:  # said in the packaged engine itself, for every server and command that loads it
             meta = validated
             meta.write(packaged_dir / SIDECAR)

@@ -28,6 +28,7 @@ from kiln.stages.accuracy.check import (
     Reference,
     accuracy_failures,
     compare_on,
+    gated_list,
     gates_for,
     merge_worst,
     summarize,
@@ -188,7 +189,7 @@ def _entry(found: Comparison, precision: str, logits: str | None, gates: dict[st
     ungated (a seq2seq model's encoder state)."""
     entry = EngineValidation(name="", backend="onnxruntime", precision=precision, device="cpu", status="validated")
     entry.gates = gates
-    summarize(entry, found.stats, logits, _gated_list(gates))
+    summarize(entry, found.stats, logits, gated_list(gates))
     entry.accuracy, entry.metric = found.accuracy, found.metric
     return entry
 
@@ -248,19 +249,13 @@ def _worst_sample(entry: EngineValidation) -> float | None:
 def _judged_output(logits: str | None, outputs: list[str], gates: dict[str, Any]) -> str:
     """The output whose flips the fallback's blame starts from: the class logits where the gates hold them, else the
     first output they hold (``validate.gates.gated_outputs``; every output where unset)."""
-    held = _gated_list(gates) or outputs
+    held = gated_list(gates) or outputs
     return logits if logits is not None and logits in held else held[0]
 
 
-def _gated_list(gates: dict[str, Any]) -> list[str] | None:
-    """The outputs ``validate.gates.gated_outputs`` lists, as :func:`gates_for` records them (None: every output)."""
-    names = gates.get("gated_outputs")
-    return list(names) if isinstance(names, list) else None
-
-
 def _held(entry: EngineValidation) -> dict[str, dict[str, float | None]]:
-    """The entry's per-output statistics of the outputs its gates hold (:func:`_gated_list`; every one where unset)."""
-    names = _gated_list(entry.gates)
+    """The entry's per-output statistics of the outputs its gates hold (:func:`gated_list`; every one where unset)."""
+    names = gated_list(entry.gates)
     return {n: o for n, o in (entry.outputs or {}).items() if names is None or n in names}
 
 

@@ -32,11 +32,6 @@ from kiln.core.timing import (
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 
 
-def percentiles(times_ms: list[float]) -> Percentiles:
-    p50, p90, p99 = np.percentile(np.asarray(times_ms), [50, 90, 99])
-    return Percentiles(p50=float(p50), p90=float(p90), p99=float(p99))
-
-
 def time_torch(
     model: Callable[..., Any], x: Inputs, warmup: int, iterations: int, budget_s: float | None = None
 ) -> list[float]:
@@ -158,7 +153,7 @@ def from_rounds(rounds: list[list[float]]) -> Percentiles:
     the same round medians, :func:`kiln.core.timing.paired_ratio`). p90 and p99, of another statistic, are held to
     p50 and above so the three stay in order."""
     calls = [t for r in rounds for t in r]
-    p = percentiles(calls)
+    p = Percentiles.of(calls)
     medians = [float(np.median(r)) for r in rounds if r]
     if not medians:
         return p

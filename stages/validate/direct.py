@@ -11,106 +11,30 @@ import numpy as np
 
 from kiln.core.compare import OutputStats
 from kiln.core.data import feed_rows
-from kiln.core.errors import InputError, InputFileError, KilnError
+from kiln.core.errors import InputError, InputFileError
 from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, rows_per_call, run_batched
 from kiln.core.inputs import check_batch_axis, random_inputs, recorded_sizes
 from kiln.core.labels import padding_ties, without_padding
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session, refuse_random_graph
-from kiln.core.outputs import SINGLE_OUTPUT, host_arrays, logits_name, named_outputs
+from kiln.core.output_names import SINGLE_OUTPUT, logits_name
 from kiln.core.random_ops import RANDOM_HINT
-from kiln.core.records import EngineMetadata, EngineValidation, steps_text, takes_size
+from kiln.core.records import EngineMetadata, EngineValidation, Percentiles, steps_text, takes_size
 from kiln.core.shapes import axis_names, graph_axes, refuse_unknown_axes, resize, shape_points
 from kiln.core.text import FEATURE_NAMES, short_reason
-from kiln.core.user_errors import UserCodeError, out_of_memory, running_user_code
-from kiln.models.determinism import refuse_random
-from kiln.models.model_io import load_weights, read_state_dict
-from kiln.models.registry import build_model
-from kiln.stages.accuracy.check import compare_all, direct_top1, gates_for, merge_worst, summarize
+from kiln.stages.accuracy.check import compare_all, direct_top1, gated_list, gates_for, merge_worst, summarize
 from kiln.stages.engines.backend import check_feed as check_engine_feed
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
-from kiln.stages.validate.baselines import percentiles
+from kiln.stages.validate.declaration import ValidateSettings
+from kiln.stages.validate.gates import check_gates
 from kiln.stages.validate.measured import NO_FINITE_FIX, nothing_measured
-from kiln.stages.validate.stage import ValidateSettings, check_gates, gated_list
+from kiln.stages.validate.reference_text import OTHER_MODEL, RANDOM_VALUES, feed_shapes
 
 log = logging.getLogger("kiln.validate")
 
 Feed = dict[str, np.ndarray]
 FEW_ROWS = 32  # --inputs of fewer rows are warned of, as kiln precision warns of few calibration rows
 RANDOM_FIX = "pass --inputs file.npz with concrete arrays"
-OTHER_MODEL = (
-    "validate an engine against the model it was built from (its ONNX file, or its checkpoint with model.name)"
-)
-# A reference that raised on Kiln's random feed: the values, each drawn on its own, not the data, may be what failed
-RANDOM_DOING = (
-    "running the reference model on Kiln's RANDOM inputs of the engine's shapes (each value drawn on its own, ids "
-    "within the rows of the table they index)"
-)
-RANDOM_VALUES = "random values may be ones the model rejects where the shapes are right: a box whose x0 > x1"
-RANDOM_REJECTED = f"pass --inputs FILE.npz with real samples ({RANDOM_VALUES}); if real samples fail too, {OTHER_MODEL}"
-
-
-def _shapes(feed: dict[str, np.ndarray]) -> dict[str, str]:
-    return {k: f"{v.dtype}{list(v.shape)}" for k, v in feed.items()}
-
-
-def _reference_error(
-    reference: Path, cfg: ValidateSettings, feed: dict[str, np.ndarray], exc: Exception, random: bool = False
-) -> InputError:
-    """An exception in torch (not the user's file) running the reference: out of memory, or the engine's inputs
-    are another model's, or (``random``: Kiln's random feed) values the model rejects."""
-    said = f"reference {reference.name} ({cfg.model.name})"
-    if out_of_memory(exc):
-        return InputError(
-            f"{said} ran out of memory on the engine's inputs {_shapes(feed)}",
-            hint="validate with fewer rows: --inputs with a smaller batch, or a smaller signature.batch_sizes",
-        )
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    inputs = "Kiln's RANDOM inputs of the engine's shapes" if random else "the engine's inputs"
-    return InputError(
-        f"{said} fails on {inputs} {_shapes(feed)}: {type(exc).__name__}: {first}",
-        hint=RANDOM_REJECTED if random else OTHER_MODEL,
-    )
-
-
-def _checkpoint_outputs(
-    reference: Path,
-    feed: dict[str, np.ndarray],
-    cfg: ValidateSettings,
-    batch: int | None,
-    loaded: dict[str, Any],
-    random: bool,
-) -> dict[str, np.ndarray]:
-    """:func:`reference_outputs` of a PyTorch checkpoint of ``cfg.model``, the one reference that needs torch (imported
-    here, not with the module)."""
-    import torch
-
-    if "model" not in loaded:
-        built = build_model(cfg.model.name, cfg.model.params)
-        loaded["model"] = load_weights(built, read_state_dict(reference), str(reference)).float().eval()
-    model = loaded["model"]
-
-    def run(part: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        x = {k: torch.from_numpy(v) for k, v in part.items()}
-        return host_arrays(named_outputs(model, next(iter(x.values())) if len(x) == 1 else x))
-
-    doing = RANDOM_DOING if random else "running the reference model on the engine's inputs"
-    # The determinism check on the first batch the reference gets (a model of one row a call takes no other),
-    # two rows where it takes any: two more calls over the whole feed would triple the reference's time
-    rows = in_batches(feed, batch)[0] if batch is not None else {k: v[:2] for k, v in feed.items()}
-    first = {k: torch.from_numpy(v) for k, v in rows.items()}
-    try:
-        with torch.inference_mode(), running_user_code(doing, f"reference {reference.name}", OTHER_MODEL, True):
-            refuse_random(model, next(iter(first.values())) if len(first) == 1 else first)
-            return run_batched(run, feed, batch)
-    except UserCodeError as err:  # the user's model raised: on random values, said as such
-        if random and not isinstance(err.__cause__, SystemExit):
-            raise _on_random(err) from err.__cause__
-        raise
-    except KilnError:
-        raise
-    except Exception as exc:  # in torch, not the user's file: out of memory, or the inputs are another model's
-        raise _reference_error(reference, cfg, feed, exc, random) from None
 
 
 def reference_outputs(
@@ -129,7 +53,9 @@ def reference_outputs(
     checkpoint's model that raises on it is said to have met values it may reject, with real samples as the fix."""
     loaded = {} if loaded is None else loaded
     if reference.suffix != ".onnx":
-        return _checkpoint_outputs(reference, feed, cfg, batch, loaded, random)
+        from kiln.stages.validate.checkpoint import checkpoint_outputs  # torch: a checkpoint's reference only
+
+        return checkpoint_outputs(reference, feed, cfg, batch, loaded, random)
     if "graph" not in loaded:
         loaded["graph"] = load_onnx(reference)
         check_tensor_io(loaded["graph"], f"reference {reference.name}")
@@ -152,16 +78,11 @@ def reference_outputs(
         inputs = "Kiln's RANDOM inputs of the engine's shapes" if random else "the engine's inputs"
         real = f"with real samples ({RANDOM_VALUES}) " if random else ""
         raise InputError(
-            f"reference {reference.name} fails on {inputs} {_shapes(feed)} in ONNX Runtime: {short_reason(exc, 300)}",
+            f"reference {reference.name} fails on {inputs} {feed_shapes(feed)} in ONNX Runtime: "
+            f"{short_reason(exc, 300)}",
             hint=f"give --inputs {real}at sizes the model takes (the sizes its kiln-engine.json validated), or check "
             "that the inputs are this model's",
         ) from None
-
-
-def _on_random(err: UserCodeError) -> UserCodeError:
-    """The error of the user's model (or its library's) raised on Kiln's random feed, with real samples as its fix:
-    the values, not data of the user's, are what it met (its message names where it raised)."""
-    return UserCodeError(err.message, hint=f"{RANDOM_REJECTED} (--verbose shows the traceback)", detail=err.detail)
 
 
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: ValidateSettings) -> EngineValidation:
@@ -192,11 +113,12 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     setting = _logits_setting(cfg, meta, list(refs[0]))
     logits = direct_top1(list(refs[0]), setting)
     entry = EngineValidation.of(meta, "validated")
-    kept, unmeasured = _compared(meta, [feed for feed, _ in checks], refs, gots, logits)
+    decisions = _recorded_decisions(meta, logits)
+    kept, unmeasured = _compared(meta, [feed for feed, _ in checks], refs, gots, logits, decisions)
     entry.gates = gates_for(cfg.validate, meta.precision, logits is None)
     summarize(entry, kept, logits, gated_list(entry.gates))  # the headline: what the gates judge
     _say_no_top1(refs[0], setting, logits, entry)
-    entry.latency_ms = {str(batch): percentiles(times[batch]) for batch in sorted(times)}
+    entry.latency_ms = {str(batch): Percentiles.of(times[batch]) for batch in sorted(times)}
     entry.batch_sizes = sorted(times)
     sizes = [_named_sizes(meta, feed) for feed, _ in checks]
     entry.shapes = [size for i, size in enumerate(sizes) if size and size not in sizes[:i]]
@@ -295,11 +217,27 @@ def _point_sizes(
     return out
 
 
+def _recorded_decisions(meta: EngineMetadata, logits: str | None) -> bool:
+    """Whether ``logits`` are the multi-label head the engine's run held to decision agreement (``kiln-engine.json``'s
+    ``logits_agreement``): each (sample, label) pair's decision is compared then, as the run compared them, not the
+    argmax of labels that are no classes of one answer."""
+    decisions = logits is not None and logits == meta.logits_output and meta.logits_agreement == "decision"
+    if decisions:
+        log.info("class logits '%s' are a multi-label head's: held to decision agreement, as the engine's run", logits)
+    return decisions
+
+
 def _compared(
-    meta: EngineMetadata, feeds: list[Feed], refs: list[Feed], gots: list[Feed], logits: str | None
+    meta: EngineMetadata,
+    feeds: list[Feed],
+    refs: list[Feed],
+    gots: list[Feed],
+    logits: str | None,
+    decisions: bool = False,
 ) -> tuple[dict[str, OutputStats], list[str]]:
     """Every output of each check compared (padding left out), the worst of each statistic over the checks, and
-    the outputs with nothing measured in any of them."""
+    the outputs with nothing measured in any of them; ``decisions``: the logits are a multi-label head's
+    (:func:`_recorded_decisions`)."""
     axes, out_axes = graph_axes(meta.inputs), graph_axes(meta.outputs)
     kept: dict[str, OutputStats] = {}
     unmeasured: list[str] = []
@@ -316,7 +254,7 @@ def _compared(
             without_padding(feed, ref, axes, out_axes),
             without_padding(feed, got, axes, out_axes),
         )
-        stats = compare_all(unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL)
+        stats = compare_all(unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL, decisions=decisions)
         kept = merge_worst(kept, stats) if kept else stats
         unmeasured += [u for u in nothing_measured(ref, got) if u not in unmeasured]
     return kept, unmeasured

@@ -54,9 +54,9 @@ from kiln.stages.accuracy.check import (
     LATENCY_GATE,
     Comparison,
     Reference,
-    accuracy_failures,
     batched,
     compare_on,
+    gated_list,
     gates_for,
     held_out,
     held_out_reference,
@@ -73,6 +73,7 @@ from kiln.stages.validate.baselines import from_rounds, prepare_baseline, speedu
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.coupling import rows_may_mix
 from kiln.stages.validate.declaration import NOT_BUILT, REQUIRED, UNVALIDATED, ValidateSettings
+from kiln.stages.validate.gates import check_gates
 from kiln.stages.validate.measured import NO_FINITE_FIX, has_no_number_samples, nothing_measured, unmeasured
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 from kiln.stages.validate.report import NAMED_PREDICTION
@@ -123,24 +124,6 @@ def engine_hints(meta: EngineMetadata, failures: list[str]) -> list[str]:
     empty = unmeasured(failures)
     accuracy = [f for f in failures if not f.startswith(LATENCY_GATE) and f not in empty]
     return (backend_named(meta.backend).hints(meta, accuracy) if accuracy else []) + ([NO_FINITE_FIX] if empty else [])
-
-
-def check_gates(
-    entry: EngineValidation,
-    baseline_acc: float | None,
-    gates: dict[str, Any],
-    largest: int,
-    metric: Metric | None = None,
-    baseline_metric: float | None = None,
-) -> list[str]:
-    """Each gate the engine misses: the accuracy gates (:func:`accuracy_failures`, as the precision stage applies
-    them) and the latency budget at the largest batch."""
-    fails = accuracy_failures(entry, gates, baseline_acc, metric, baseline_metric)
-    budget = gates["max_latency_p50_ms"]
-    latency = entry.latency_ms.get(str(largest))
-    if budget is not None and latency is not None and latency.p50 > budget:
-        fails.append(f"{LATENCY_GATE} {latency.p50:.3f} ms at batch {largest} > {budget} ms")
-    return fails
 
 
 @dataclass
@@ -198,12 +181,6 @@ def check_engine(engine_dir: Path, ref: Reference, cfg: ValidateConfig, ctx: Sta
         raise
     entry.status = "validated"
     return Checked(entry, meta, runner, timers, found, empty)
-
-
-def gated_list(gates: dict[str, Any]) -> list[str] | None:
-    """The outputs ``validate.gates.gated_outputs`` lists, as an engine's gates record them (None: every output)."""
-    names = gates.get("gated_outputs")
-    return list(names) if isinstance(names, list) else None
 
 
 def measured_nothing(

@@ -15,6 +15,7 @@ from kiln.core.records import (
     EngineMetadata,
     EngineSource,
     EngineValidation,
+    Percentiles,
     TensorSpec,
     ValidationResult,
 )
@@ -329,3 +330,8 @@ def test_a_row_index_among_an_outputs_statistics_stays_an_integer_in_json() -> N
     said = json.loads(e.model_dump_json())["outputs"]["logits"]
     assert said["worst_sample"] == 15 and isinstance(said["worst_sample"], int)
     assert isinstance(said["sample_cosine"], float)
+
+
+def test_percentiles_of_calls_are_ordered_and_interpolated() -> None:
+    p = Percentiles.of(list(np.arange(1, 101, dtype=float)))
+    assert (p.p50, p.p90, p.p99) == pytest.approx((50.5, 90.1, 99.01)) and p.rounds == [] and p.ci95 is None

@@ -43,7 +43,7 @@ def test_running_out_of_memory_on_the_reference_is_not_called_another_models_inp
 
     import numpy as np
 
-    from kiln.stages.validate.direct import OTHER_MODEL, _reference_error
+    from kiln.stages.validate.checkpoint import OTHER_MODEL, _reference_error
 
     cfg = SimpleNamespace(model=SimpleNamespace(name="cnn"))  # the settings' one field the message reads
     feed = {"input": np.zeros((4096, 1, 8, 8), np.float32)}

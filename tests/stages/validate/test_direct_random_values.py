@@ -73,7 +73,7 @@ def test_a_random_feed_torch_rejects_in_a_model_of_kilns_own_is_said_to_be_rando
     """A model with no frame in the user's file (a zoo model) fails in torch: said as the random feed it met too."""
     from types import SimpleNamespace
 
-    from kiln.stages.validate.direct import OTHER_MODEL, _reference_error
+    from kiln.stages.validate.checkpoint import OTHER_MODEL, _reference_error
 
     cfg = SimpleNamespace(model=SimpleNamespace(name="tagger"))  # the settings' one field the message reads
     feed = {"bbox": np.zeros((2, 6, 4), np.int64)}

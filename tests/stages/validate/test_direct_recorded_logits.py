@@ -1,6 +1,6 @@
 """``kiln validate ENGINE``: a packaged engine of a run with ``signature.logits_output`` records the class-logit
 output's name in its ``kiln-engine.json``, and validating it again on its own holds that output to top-1 agreement
-as its run did; ``--set signature.logits_output`` still wins."""
+as its run did (a multi-label head's to decision agreement); ``--set signature.logits_output`` still wins."""
 
 from __future__ import annotations
 
@@ -54,14 +54,18 @@ def _validated(tmp_path: Path, engine: Path, model: Path, *sets: str) -> tuple[s
     return " ".join(out.output[:start].split()), json.loads(out.output[start:])
 
 
-def _packaged(tmp_path: Path, model: Path, logits_output: str | int | None, held: bool = True) -> Path:
+def _packaged(
+    tmp_path: Path, model: Path, logits_output: str | int | None, held: bool = True, agreement: str = "top1"
+) -> Path:
     """The package stage of a run with ``signature.logits_output`` over one validated FP32 engine of ``model``,
-    whose validation held it to top-1 agreement where ``held``."""
+    whose validation held it to top-1 agreement where ``held`` (counting ``agreement``: "decision" for a multi-label
+    head's)."""
     meta = build_engine(model, tmp_path / "build" / "e", "onnxruntime", "cpu", "fp32", BuildConfig(), tmp_path / "c")
     checked = EngineValidation(
         name=meta.name, backend=meta.backend, precision="fp32", device="cpu", status="validated", passed=True
     )
     checked.top1_agreement = 1.0 if held else None
+    checked.agreement = agreement
     (tmp_path / "validate").mkdir()
     ValidationResult(
         passed=True, baseline=Baseline(accuracy=None, samples=8, latency_ms={}), engines=[checked], failures=[]
@@ -102,3 +106,17 @@ def test_an_index_is_recorded_by_name_and_a_run_that_named_none_records_none(tmp
     old = json.loads((engine / SIDECAR).read_text())
     old.pop("logits_output", None)
     assert EngineMetadata.model_validate(old).logits_output is None
+
+
+def test_a_multi_label_heads_decision_agreement_is_recorded_and_counted_again(tmp_path: Path) -> None:
+    """A run that held its multi-label head to decision agreement records so; validating the engine alone counts
+    each (sample, label) pair's decision, not the argmax of labels that are no classes of one answer."""
+    model = _two_outputs(tmp_path / "m.onnx")
+    engine = _packaged(tmp_path / "a", model, "output_0", agreement="decision")
+    assert read_metadata(engine).logits_agreement == "decision"
+    got = _validated(tmp_path, engine, model)[1]
+    assert got["agreement"] == "decision" and got["top1_agreement"] == 1.0, got
+    single = _packaged(tmp_path / "b", model, "output_0")
+    assert read_metadata(single).logits_agreement == "top1" and _validated(tmp_path, single, model)[1]["agreement"] == (
+        "top1"
+    )

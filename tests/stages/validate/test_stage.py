@@ -13,7 +13,7 @@ from kiln.core.data import DatasetSplits
 from kiln.core.records import Baseline, EngineMetadata, EngineValidation, Percentiles
 from kiln.core.shapes import resize
 from kiln.stages.accuracy.check import compare_all, gates_for, labels_at_points
-from kiln.stages.validate.baselines import measure, percentiles, speedups
+from kiln.stages.validate.baselines import measure, speedups
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.memory import PeakMemory
 from kiln.stages.validate.stage import (
@@ -180,11 +180,6 @@ def test_folded_and_fused_convolutions_are_named_when_an_accuracy_gate_fails() -
         )
         == []
     )  # nothing was rewritten: nothing to say
-
-
-def test_percentiles_order() -> None:
-    p = percentiles(list(np.arange(1, 101, dtype=float)))
-    assert p.p50 < p.p90 < p.p99
 
 
 # ---------------------------------------------------------------- baselines per device, memory, chosen engine
