@@ -3,7 +3,6 @@ symmetric activations, QuantizeLinear/DequantizeLinear pairs (the form TensorRT 
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
 from collections import Counter
@@ -18,7 +17,7 @@ import onnx
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.ranges import Ranges, _ort_method, ranges_file
 from kiln.core.cpu_int8 import ORT_CPU_STATIC_INTEGER, resolve_reduce_range
-from kiln.core.errors import ConfigError, ModelError
+from kiln.core.errors import ModelError, refuse_unknown_names
 from kiln.core.graphsurgeon import gs
 from kiln.core.onnx_io import rename_values, value_names
 from kiln.core.text import first_line
@@ -108,19 +107,9 @@ def check_exclusions(model: onnx.ModelProto, cfg: CalibrationConfig) -> None:
     nodes = [n.name for n in model.graph.node]
     ops = sorted({n.op_type for n in model.graph.node})
     known = set(nodes)
-    wrong = [("exclude_nodes", "node", n, nodes) for n in cfg.exclude_nodes if n not in known]
-    wrong += [("exclude_op_types", "op type", o, ops) for o in cfg.exclude_op_types if o not in ops]
-    if wrong:
-        raise ConfigError(
-            "; ".join(
-                f"calibration.{key} names {what} '{name}', which the graph does not have"
-                for key, what, name, _ in wrong
-            ),
-            hint="use names the graph has; closest: "
-            + "; ".join(
-                f"'{name}' -> {', '.join(difflib.get_close_matches(name, real, 3, 0))}" for *_, name, real in wrong
-            ),
-        )
+    wrong = [("calibration.exclude_nodes", "node", n, nodes) for n in cfg.exclude_nodes if n not in known]
+    wrong += [("calibration.exclude_op_types", "op type", o, ops) for o in cfg.exclude_op_types if o not in ops]
+    refuse_unknown_names(wrong)
     idle = [o for o in cfg.exclude_op_types if o not in cfg.op_types and o not in DYNAMIC_RECURRENT]
     if idle:
         log.warning(

@@ -6,6 +6,7 @@ traceback. Anything else escaping is a bug in Kiln and keeps its traceback.
 
 from __future__ import annotations
 
+import difflib
 import errno
 
 
@@ -129,3 +130,18 @@ def disk_full(exc: BaseException, where: object) -> StorageError | None:
             return disk_full_error(where)
         todo += [e.__cause__, e.__context__]
     return None
+
+
+def refuse_unknown_names(wrong: list[tuple[str, str, str, list[str]]]) -> None:
+    """One :class:`ConfigError` for every ``(setting, kind, name, known)`` whose ``name`` (a node, an op type) the
+    graph does not have, with the closest of its ``known`` ones: a typo in a list of names to keep in float would
+    otherwise keep nothing, silently. Nothing where ``wrong`` is empty."""
+    if not wrong:
+        return
+    raise ConfigError(
+        "; ".join(f"{key} names {kind} '{name}', which the graph does not have" for key, kind, name, _ in wrong),
+        hint="use names the graph has; closest: "
+        + "; ".join(
+            f"'{name}' -> {', '.join(difflib.get_close_matches(name, known, 3, 0))}" for *_, name, known in wrong
+        ),
+    )

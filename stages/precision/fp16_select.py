@@ -6,7 +6,6 @@ LayerNorm written out as elementwise ops, long reductions, tensors out of FP16 r
 
 from __future__ import annotations
 
-import difflib
 import logging
 import math
 
@@ -14,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from kiln.core.errors import ConfigError
+from kiln.core.errors import refuse_unknown_names
 from kiln.stages.precision.casts import FLOAT_ONNX
 from kiln.stages.precision.config import FP16Config
 
@@ -84,15 +83,7 @@ def check_fp32_nodes(model: onnx.ModelProto, cfg: FP16Config) -> None:
     for ``calibration.exclude_nodes``: a typo would otherwise keep nothing in FP32, silently."""
     nodes = [n.name for n in model.graph.node]
     known = set(nodes)
-    wrong = [name for name in cfg.fp32_nodes if name not in known]
-    if wrong:
-        raise ConfigError(
-            "; ".join(
-                f"precision.fp16.fp32_nodes names node '{name}', which the graph does not have" for name in wrong
-            ),
-            hint="use names the graph has; closest: "
-            + "; ".join(f"'{name}' -> {', '.join(difflib.get_close_matches(name, nodes, 3, 0))}" for name in wrong),
-        )
+    refuse_unknown_names([("precision.fp16.fp32_nodes", "node", n, nodes) for n in cfg.fp32_nodes if n not in known])
 
 
 def unconvertible_ops(model: onnx.ModelProto) -> dict[str, str]:
