@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from kiln.core.compare import within_tolerance
 from kiln.core.errors import BuildError
@@ -31,7 +32,7 @@ from kiln.core.onnx_io import (
 )
 from kiln.core.records import TensorSpec
 from kiln.core.shapes import axis_names, shapes_flag
-from kiln.core.text import ort_reason
+from kiln.core.text import first_line, ort_reason
 from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_in_model
 from kiln.stages.engines.onnxruntime.autotune import autotune, relevant_knobs
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
@@ -417,11 +418,22 @@ def maybe_fuse(
     # different graphs and the caller's unfused graph (an autotune candidate) stays unfused.
     work = onnx.ModelProto()
     work.CopyFrom(model)
+    _with_layernorm_biases(work)
     printed = io.StringIO()  # its shape inference print()s its failures: kept for --verbose, not on the console
-    with redirect_stdout(printed), _logged_as_debug("onnxruntime.transformers"):
-        fused = optimize_model(
-            work, model_type=cfg.fusion_model_type, num_heads=0, hidden_size=0, opt_level=0, use_gpu=device == "cuda"
-        )
+    try:
+        with redirect_stdout(printed), _logged_as_debug("onnxruntime.transformers"):
+            fused = optimize_model(
+                work,
+                model_type=cfg.fusion_model_type,
+                num_heads=0,
+                hidden_size=0,
+                opt_level=0,
+                use_gpu=device == "cuda",
+            )
+    except Exception as exc:  # noqa: BLE001 - a fusion is an optimization: its own failure keeps the graph as it is
+        why = f"{type(exc).__name__} in onnxruntime.transformers' optimizer: {first_line(str(exc)) or 'no message'}"
+        log.warning("ORT transformer fusion not applied: %s; keeping the unfused graph", why)
+        return model, {"applied": False, "why": f"fusion failed: {why}"}
     if printed.getvalue().strip():
         log.debug("onnxruntime.transformers.optimizer printed: %s", printed.getvalue().strip())
     stats = {k: v for k, v in fused.get_fused_operator_statistics().items() if v}
@@ -438,6 +450,21 @@ def maybe_fuse(
         )
         return model, {"applied": False, "why": f"fused graph rejected: {err}"}
     return fused.model, {"applied": True, "fused": stats}
+
+
+def _with_layernorm_biases(model: onnx.ModelProto) -> None:
+    """Each LayerNormalization without a bias (``nn.LayerNorm(elementwise_affine=False)`` or ``bias=False``, as the
+    dynamo exporter writes it: two inputs) given a zero one of its stored scale's shape, in place: ORT's fusions
+    read a third input of every LayerNormalization they fuse (a DiT's adaLN blocks), and the sum is unchanged."""
+    stored = {t.name: t for t in model.graph.initializer}
+    for i, node in enumerate(model.graph.node):
+        scale = stored.get(node.input[1]) if node.op_type == "LayerNormalization" and len(node.input) == 2 else None
+        if scale is None:
+            continue
+        zeros = numpy_helper.to_array(scale) * 0
+        name = f"{node.name or node.output[0]}_kiln_zero_bias_{i}"
+        model.graph.initializer.append(numpy_helper.from_array(zeros, name))
+        node.input.append(name)
 
 
 def _unsized(model: onnx.ModelProto, dynamic: int | AxisSizes | None, err: str) -> str:
