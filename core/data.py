@@ -589,6 +589,8 @@ def _check_x(x: Any, field: str, ref: str) -> None:
             hint="wrap arrays with torch.from_numpy(...) in the dataset function",
         )
     for key, t in zip(_keys(x) if items else [], items):
+        if _nested_tensors(t):
+            raise _nested_input(t, field, key, ref)
         if not is_tensor(t):
             raise DataContractError(
                 f"dataset '{ref}' gives {field}[{key!r}] as {type(t).__name__}, not a torch.Tensor",
@@ -599,6 +601,35 @@ def _check_x(x: Any, field: str, ref: str) -> None:
                 f"dataset '{ref}' gives {field}[{key!r}] as a scalar; inputs need a batch axis",
                 hint="stack the samples along axis 0",
             )
+
+
+def _nested_tensors(t: Any) -> bool:
+    """Whether an input is a tuple, list or dict holding tensors (at any depth): a nested input such as Hugging
+    Face's ``past_key_values``, ``((k0, v0), (k1, v1))``."""
+    if isinstance(t, Mapping):
+        t = list(t.values())
+    if not isinstance(t, (tuple, list)) or not t:
+        return False
+    return all(is_tensor(i) or _nested_tensors(i) for i in t)
+
+
+def _nested_input(t: Any, field: str, key: str, ref: str) -> DataContractError:
+    """The error for a nested input: the graph's inputs are flat tensors, each with a name of its own, so the
+    structure is rebuilt inside the model's forward. A KV cache's pairs are named as Hugging Face's exports name
+    them (``past_key_0``, ``past_value_0``)."""
+    kind = "dict" if isinstance(t, Mapping) else type(t).__name__
+    pairs = isinstance(t, (tuple, list)) and all(isinstance(i, (tuple, list)) and len(i) == 2 for i in t)
+    example = (
+        f"past_key_0, past_value_0, past_key_1, ... and in forward: {key} = ((past_key_0, past_value_0), ...)"
+        if pairs
+        else f"{key}_0, {key}_1, ... and in forward: {key} = ({key}_0, {key}_1, ...)"
+    )
+    return DataContractError(
+        f"dataset '{ref}' gives {field}[{key!r}] as a nested {kind} of tensors: nested inputs are not supported "
+        "(each graph input is one named tensor)",
+        hint=f"give each tensor as an input of its own, named in a dict {field} ({example}); a wrapper module's "
+        "forward can take them and rebuild the structure for the model",
+    )
 
 
 def _form(x: Inputs) -> str:

@@ -351,18 +351,30 @@ def warn_label_inputs(data: DatasetSplits) -> None:
     warn_labelled_padding(data)
 
 
+# F.interpolate's mode for logits with this many spatial axes (a sequence's, an image's, a volume's)
+INTERPOLATE_MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
+
+
 def _positions(target: torch.Tensor) -> tuple[int, ...]:
     """The shape of class logits ``target`` without its class axis: where labels per position would go."""
     axis = class_axis(target.ndim) % target.ndim
     return tuple(s for i, s in enumerate(target.shape) if i != axis)
 
 
+def _channel_axis_of_one(positions: tuple[int, ...], y: torch.Tensor) -> bool:
+    """Labels shaped like the logits' positions with a channel axis of size 1 after the batch (``[N, 1, D, H, W]``
+    beside ``[N, C, D, H, W]`` logits: the layout of medical-imaging masks), which ``squeeze(1)`` fits."""
+    return y.ndim == len(positions) + 1 and y.ndim > 2 and y.shape[1] == 1 and (y.shape[0], *y.shape[2:]) == positions
+
+
 def _at_a_fraction(positions: tuple[int, ...], y: torch.Tensor) -> bool:
     """Logit positions at a whole fraction of the labels' size on every axis after the batch (a SegFormer's, at a
-    quarter of the image), not the same: scaling the logits up fits them."""
+    quarter of the image), not the same: scaling the logits up fits them. Their axis 0 must be the labels' batch:
+    time-major logits ``[T, N, C]`` (a CRNN's, for CTC) beside labels ``[N, L]`` are not a downscaled map."""
     return (
         positions != tuple(y.shape)
         and len(positions) == y.ndim
+        and positions[0] == len(y)
         and all(p and s % p == 0 for p, s in zip(positions[1:], y.shape[1:]))
     )
 
@@ -409,16 +421,27 @@ def check_positions(
     if positions == tuple(y.shape) and target.shape[axis] < num_classes:  # the positions fit; the classes do not
         raise _too_few_classes(target, num_classes, output)
     if _at_a_fraction(positions, y):
+        mode = INTERPOLATE_MODES.get(len(positions) - 1, "nearest")
         hint = (
             f"return the logits at the labels' size {tuple(y.shape[1:])} (a wrapper's forward: "
-            "F.interpolate(logits, size=labels' size, mode='bilinear')), or give labels at the logits' size "
+            f"F.interpolate(logits, size=labels' size, mode='{mode}')), or give labels at the logits' size "
             f"{positions[1:]}"
+        )
+    elif _channel_axis_of_one(positions, y):
+        hint = (
+            f"drop the labels' axis of size 1 (y.squeeze(1): labels {tuple(y.shape)} -> {positions}), one class "
+            "index per position, as torch.nn.functional.cross_entropy takes them"
         )
     else:
         hint = (
             "make the model return one row of class logits per labelled position, set its num_classes to the "
             "dataset's, or name the logits output in signature.logits_output"
         )
+        if positions != tuple(y.shape):
+            hint += (
+                "; labels of another length than the logits' positions (CTC targets) need train.loss, a loss of "
+                "yours that reads them (torch.nn.functional.ctc_loss)"
+            )
         hint = f"{DECODER_FIX}; or {hint}" if lacks_decoder and positions != tuple(y.shape) else hint
         if target.ndim <= y.ndim and len(target) == len(y):  # a row of logits per sample: labels may be targets
             hint += "; labels of several targets per sample need train.loss to train on and validate.metric to score"
@@ -654,6 +677,33 @@ def _say_unscored(task: Task, target: torch.Tensor, y: torch.Tensor) -> None:
     )
 
 
+def _unscored(target: torch.Tensor, y: torch.Tensor) -> bool:
+    """Labels per position that follow neither the class logits' positions nor a fraction of them (CTC or
+    sequence-to-sequence targets of another length): no label pairs with a row of logits, so none is scored."""
+    positions = _positions(target)
+    return positions != tuple(y.shape) and not _at_a_fraction(positions, y)
+
+
+def _say_unscored_untrained(target: torch.Tensor, y: torch.Tensor, output: str | None) -> None:
+    """Warn (once, where training is skipped) that labels per position which do not follow the class logits'
+    positions are not scored: nothing trains, so no loss needs them, and the val accuracy is not measured (as the
+    validate stage says of them). Said, not refused: a CTC model's labels are of their own length."""
+    named = f"'{output}' " if output is not None else ""
+    log.warning(
+        "labels %s do not follow the positions of class logits %s%s (they take labels %s): training is skipped "
+        "and no loss reads them, so no val accuracy is measured",
+        _shape(tuple(y.shape), len(y)),
+        named,
+        _shape(tuple(target.shape), len(y)),
+        _shape(_positions(target), len(y)),
+    )
+
+
+def _shape(shape: tuple[int, ...], rows: int) -> str:
+    """A shape for a message, its axis 0 written N where it is the batch of ``rows`` probed: ``[N, 32, 11]``."""
+    return "[" + ", ".join("N" if i == 0 and d == rows else str(d) for i, d in enumerate(shape)) + "]"
+
+
 def _logits_output(task: Task, out: Any) -> str | None:
     """The name of the output the built-in loss reads, for messages; None where no one output is it."""
     try:
@@ -731,6 +781,9 @@ def check_task(
     target = task.target(out)
     check_rows(target, len(y))
     if task.kind == "classification" and labels.follows_positions(y, target, flatten_outputs(out).values(), sizes):
+        if not task.trains and not lacks_decoder and _unscored(target, y):
+            _say_unscored_untrained(target, y, _logits_output(task, out))
+            return
         check_positions(target, y, num_classes, model_ref, lacks_decoder, _logits_output(task, out))
     elif task.kind == "classification" and labels.per_position(y):  # targets per sample: no class count to check
         if task.trains:

@@ -167,6 +167,23 @@ def test_logits_at_a_fraction_of_the_labels_size_are_told_to_scale_up_even_with_
         with pytest.raises(ModelError, match=r"class logits of shape \(2, 3, 8, 8\)") as err:
             check_task(task, logits, y, 3, "m")
         assert "F.interpolate(logits" in err.value.hint and "labels at the logits' size (8, 8)" in err.value.hint
+
+
+@pytest.mark.parametrize(("spatial", "mode"), [((8, 8), "bilinear"), ((4, 8, 8), "trilinear")])
+def test_the_scale_up_fix_names_the_interpolation_of_the_logits_rank(spatial: tuple[int, ...], mode: str) -> None:
+    """A volume's logits (a 3-D UNet's at half the labels' size) scale up trilinearly: bilinear fails on 5-D."""
+    y = torch.zeros(2, *(2 * s for s in spatial), dtype=torch.long)
+    with pytest.raises(ModelError) as err:
+        check_task(Task("classification"), torch.zeros(2, 3, *spatial), y, 3, "m")
+    assert f"mode='{mode}'" in err.value.hint, err.value.hint
+
+
+def test_labels_with_a_channel_axis_of_one_are_told_to_squeeze_it() -> None:
+    """Medical-imaging masks come as [N, 1, D, H, W] beside logits [N, C, D, H, W]: the fix is y.squeeze(1)."""
+    y, logits = torch.zeros(2, 1, 4, 8, 8, dtype=torch.long), torch.zeros(2, 3, 4, 8, 8)
+    with pytest.raises(ModelError) as err:
+        check_task(Task("classification"), logits, y, 3, "m")
+    assert "y.squeeze(1)" in err.value.hint and "(2, 4, 8, 8)" in err.value.hint, err.value.hint
     check_task(Task("classification", None, lambda out, y: out.mean()), torch.zeros(2, 6), y[:, 0, :6], 3, "m")
 
 
