@@ -162,9 +162,13 @@ def name_output_axes(
         dims = out.type.tensor_type.shape.dim if out.type.HasField("tensor_type") else []
         for i, dim in enumerate(dims):
             name = found.get(out.name, {}).get(i)
-            if name is not None and dim.dim_param != name and dim.dim_param not in known:
-                pass  # a fixed size, or a symbol of the exporter's own (s0, unk__3), on an axis that follows one
-            elif name is None and dim.dim_param in stays.get(out.name, {}).get(i, set()):
+            stayed = stays.get(out.name, {}).get(i, set())
+            if name is not None and dim.dim_param != name and (dim.dim_param not in known or dim.dim_param in stayed):
+                # a fixed size, or a symbol of the exporter's own (s0, unk__3), on an axis that follows one; or an
+                # input axis's name on an axis that stays when it moves (the TorchScript exporter's batch on every
+                # output's first axis, a time-major [T, B, C]'s steps included)
+                pass
+            elif name is None and dim.dim_param in stayed:
                 name = f"{out.name}_{i}"  # declared as following an axis it does not follow (a CLIP's texts)
             else:
                 continue

@@ -86,6 +86,7 @@ def export_with_fallback(
     fixed: list[str] = []
     validation = ""  # where torch.distributions' argument validation made the dynamo exporter fail
     refused = ""  # why the dynamo exporter failed, where the TorchScript one then exported the graph
+    took = 0.0  # the dynamo exporter's seconds to its failure
     raised: Raised | None = None  # the call torch's error says raised the dynamo exporter's failure
     cause: Cause | None = None  # a library's setting the failure comes from (QAT's fake-quantize, MoE experts)
     for dynamo in (True, False) if opset >= 18 else (False,):
@@ -122,6 +123,8 @@ def export_with_fallback(
                 log.warning("dynamo exporter failed: %s (%.1f s); trying the TorchScript exporter", refused, took)
     else:
         raise _export_failed(model, example, errors, opset, axes, raised, cause)
+    if refused:
+        _say_fallback_took(took, time.perf_counter() - started)
     if fixed:
         refuse_traced_branch(fixed, errors, validation, raised, cause)
     proto = load_onnx(path)
@@ -138,6 +141,17 @@ def export_with_fallback(
     _drop_unreferenced_data(path)
     check_onnx(path, "exported model")  # from the file: the checker then needs no serialized copy of the model
     return proto, refused
+
+
+def _say_fallback_took(dynamo_s: float, torchscript_s: float) -> None:
+    """Log that the TorchScript exporter exported the graph after the dynamo exporter's failed attempt, and how to
+    skip that attempt (below opset 18 only the TorchScript exporter runs), which may cost a minute on every export
+    of the model (an LSTM with a dynamic length)."""
+    log.warning(
+        "the TorchScript exporter exported the graph (%.1f s) after the dynamo exporter failed (%.1f s): "
+        "export.opset: 17 exports with the TorchScript exporter directly, skipping those %.1f s",
+        *(torchscript_s, dynamo_s, dynamo_s),
+    )
 
 
 PLACEHOLDER = "kiln_export_output_"

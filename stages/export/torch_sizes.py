@@ -326,6 +326,9 @@ def _fails_at(
     if fixed is None:
         return ModelError(message, hint=tie + sizes)
     label, tried = fixed
+    offset = _offset_tied(model, inputs, feeds[0], axes, label, tried)
+    if offset is not None:
+        return _offset_tie_error(message, label, *offset, own)
     return _fixed_axis_error(message, label, own[label], tried, feeds[0], axes, source, sizes)
 
 
@@ -354,6 +357,41 @@ def _fixed_axis(
         if runs(own[label]) and not any(runs(s) for s in tried):
             return label, tried
     return None
+
+
+def _offset_tied(
+    model: nn.Module, like: Inputs, feed: Feed, axes: Axes, label: str, tried: list[int]
+) -> tuple[str, int] | None:
+    """Another named axis that PyTorch runs with where ``label`` alone fails at a size of ``tried``, moved by the
+    same amount (the sizes' gap in ``feed``, the data's rows, kept): a KV-cache step's mask of ``total = past + 1``
+    columns beside caches of ``past`` steps. The model then takes other sizes, tied by an offset, which Kiln's
+    sizing of each named axis on its own cannot keep: (that axis's name, its size minus ``label``'s in the data)."""
+    own = own_sizes(feed, axes)
+    why = _why_not_at(model, {k: v[:1] for k, v in feed.items()}, like, axes)
+    for other in (k for k in own if k != label):
+        gap = own[other] - own[label]
+        if any(s + gap >= 1 and not why({**own, label: s, other: s + gap}) for s in tried):
+            return other, gap
+    return None
+
+
+def _offset_tie_error(message: str, label: str, other: str, gap: int, own: Mapping[str, int]) -> ModelError:
+    """The error where the model runs with axes ``label`` and ``other`` moved together, ``other`` ``gap`` longer in
+    the data (``own``: its sizes), but not with ``label`` alone (:func:`_offset_tied`): Kiln sizes each named axis
+    on its own, so the fix makes the inputs' lengths equal and gives them one name."""
+    long, short = (other, label) if gap > 0 else (label, other)
+    tied = f"{long} = {short} + {abs(gap)}" if gap else f"{long} = {short}"
+    return ModelError(
+        f"{message}; the model runs with axes {label} and {other} moved together ({tied}, as in the data's "
+        f"{long}={own[long]}, {short}={own[short]}), not with one alone: they are tied by an offset, and Kiln sizes "
+        "each named axis on its own",
+        hint=f"give the inputs of {long} the length of {short} and one name for both, {short}, in "
+        f"signature.dynamic_axes: where the {abs(gap)} more are the new token's (a KV-cache step's attention mask), "
+        "pass the mask of the past alone and append the new token's column inside forward (torch.cat([mask, "
+        "torch.ones_like(input_ids)], dim=1))"
+        if gap
+        else f"give axes {label} and {other} one name in signature.dynamic_axes",
+    )
 
 
 def _fixed_axis_error(

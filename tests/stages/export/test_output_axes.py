@@ -142,6 +142,21 @@ def test_an_exporter_s_expression_over_the_axis_names_is_kept_where_the_sizes_be
     assert dims == {"up": "up_2", "plus": "(frames) + 1", "guess": "4*frames"}, dims
 
 
+def test_a_time_major_output_declared_batch_on_its_steps_gets_the_axes_it_follows(tmp_path: Path) -> None:
+    """The TorchScript exporter declares ``batch`` on every output's first axis: a time-major ``[T, B, C]`` (a
+    CRNN's log-probabilities) came out ``[batch, batch, C]``. The probe sees axis 0 stay when the batch moves and
+    follow ``width``: it gets that name, and axis 1, which follows the batch, keeps ``batch``."""
+    h = onnx.helper
+    x = h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", "width", 3])
+    out = h.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", "batch", 3])
+    graph = h.make_graph([h.make_node("Transpose", ["x"], ["logits"], perm=[1, 0, 2])], "tm", [x], [out])
+    path = tmp_path / "model.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(path))
+    feed = {"x": np.random.default_rng(0).standard_normal((4, 6, 3), dtype=np.float32)}
+    fixed = name_output_axes(path, feed, {"x": {0: "batch", 1: "width"}})
+    assert _dims(onnx.load(str(path)))["logits"] == ["width", "batch", 3] and fixed == {"logits": {0: "width"}}
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [

@@ -68,3 +68,26 @@ def test_a_square_input_declared_on_one_axis_is_told_to_declare_the_other() -> N
         "signature.dynamic_axes: {spd: {1: n, 2: n}}; else"
     ), hint
     assert "remove the axes" not in hint
+
+
+class _CacheStep(nn.Module):
+    """A KV-cache step: a mask of ``total = past + 1`` columns over the cache of ``past`` steps and the new one."""
+
+    def forward(self, mask: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+        keys = torch.cat([past, past[:, -1:]], dim=1)
+        return (keys * mask[..., None]).sum(1)
+
+
+def test_axes_tied_by_an_offset_are_said_to_be_tied_not_fixed() -> None:
+    """The step runs at any past with total one more, never with past moved alone: not an axis the model fixes."""
+    rng = np.random.default_rng(0)
+    feed = {"mask": np.ones((2, 4), dtype=np.float32), "past": rng.random((2, 3, 2), dtype=np.float32)}
+    axes = {"mask": {1: "total"}, "past": {1: "past"}}
+    point = {"past": 1, "total": 4}
+    like = {k: torch.from_numpy(v) for k, v in feed.items()}
+    with pytest.raises(ModelError) as err:
+        torch_at(_CacheStep(), from_feed(resize(feed, axes, point), like), point, [feed, feed], axes, {})
+    message, hint = err.value.message, err.value.hint or ""
+    assert "fixes" not in message and "tied by an offset" in message and "(total = past + 1" in message, message
+    assert hint.startswith("give the inputs of total the length of past and one name for both, past"), hint
+    assert "remove" not in hint, hint
