@@ -15,6 +15,9 @@ from contextlib import contextmanager
 
 log = logging.getLogger("kiln.core.threads")
 
+# PyTorch's own thread count while cpu_threads_for_load has lowered it (None: not lowered), for own_threads
+_lowered_from: int | None = None
+
 
 def threads_for_load(cores: int, load: float, current: int) -> int:
     """Intra-op threads for a machine of ``cores`` at a 1-minute ``load`` average: the cores the load leaves idle
@@ -34,9 +37,11 @@ def cpu_threads_for_load(say: bool = True) -> Iterator[int | None]:
     import torch
 
     cores, load, current = len(os.sched_getaffinity(0)), os.getloadavg()[0], torch.get_num_threads()
+    global _lowered_from
     threads = threads_for_load(cores, load, current)
     if threads < current:
         torch.set_num_threads(threads)
+        _lowered_from = current
         (log.info if say else log.debug)(
             "busy machine (load average %.1f on %d cores): PyTorch runs on %d thread(s); OMP_NUM_THREADS chooses",
             load,
@@ -47,3 +52,20 @@ def cpu_threads_for_load(say: bool = True) -> Iterator[int | None]:
         yield threads
     finally:
         torch.set_num_threads(current)
+        _lowered_from = None
+
+
+@contextmanager
+def own_threads() -> Iterator[int]:
+    """PyTorch on its own thread count for the block, where :func:`cpu_threads_for_load` lowered it: timing, where a
+    PyTorch baseline on fewer threads than an ONNX Runtime engine (one per physical core, as PyTorch's own count)
+    would credit the engine with the difference. Yields the count PyTorch runs on in the block."""
+    import torch
+
+    lowered = torch.get_num_threads()
+    if _lowered_from is not None:
+        torch.set_num_threads(_lowered_from)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(lowered)

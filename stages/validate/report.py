@@ -279,6 +279,8 @@ def _timing(v: ValidationResult) -> list[str]:
         "(baseline / engine, paired round by round), with its 95 % interval: it need not equal the ratio of the two "
         f"p50s. Load average {t['load_before']} → {t['load_after']} on {t['cpus']} CPUs."
     )
+    if t.get("torch_threads"):  # PyTorch's threads while timing; ONNX Runtime's CPU engines: one per physical core
+        line += f" PyTorch timed on {t['torch_threads']} thread(s)."
     if t.get("timed_at"):  # a model with dynamic axes besides the batch: its latency depends on their sizes too
         line += f" Timed at {_point(t['timed_at'])} (the largest validated sizes), at each batch size."
     if t.get("busy"):

@@ -48,6 +48,7 @@ from kiln.core.records import (
 from kiln.core.shapes import Axes, graph_axes
 from kiln.core.stage import StageContext
 from kiln.core.text import FEATURE_NAMES
+from kiln.core.threads import own_threads
 from kiln.core.timing import BUSY_SPREAD, Timer, interleave, ratio_interval, time_calls, warm_up
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.accuracy.check import (
@@ -263,7 +264,8 @@ def time_interleaved(
     the timing went (rounds, the load around it, whether the machine was too busy to time)."""
     out: dict[str, dict[str, Percentiles]] = {name: {} for name in contenders}
     load_before = os.getloadavg()[0]
-    with ctx.progress.task("timing (interleaved rounds)", total=len(sizes)) as bar:
+    # PyTorch's baselines on the threads the engines get, not those a busy machine left the rest of the run
+    with ctx.progress.task("timing (interleaved rounds)", total=len(sizes)) as bar, own_threads() as threads:
         for bs in sizes:
             timers = {name: t[bs] for name, t in contenders.items() if bs in t}
             if timers:
@@ -278,6 +280,7 @@ def time_interleaved(
     info = {
         "rounds": max(run) if run else cfg.rounds,  # what ran: at least MIN_ROUNDS, fewer than asked once spent
         "cpus": os.cpu_count(),
+        "torch_threads": threads,
         "load_before": round(load_before, 2),
         "load_after": round(os.getloadavg()[0], 2),
         "median_spread": median_spread,

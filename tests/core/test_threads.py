@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.core import threads
-from kiln.core.threads import cpu_threads_for_load, threads_for_load
+from kiln.core.threads import cpu_threads_for_load, own_threads, threads_for_load
 
 
 @pytest.mark.parametrize(
@@ -43,5 +43,25 @@ def test_a_busy_machine_lowers_torch_threads_for_the_block_and_says_so(
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
         with cpu_threads_for_load() as n:
             assert n is None and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_timing_runs_torch_on_its_own_threads_inside_a_lowered_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy machine lowers PyTorch's threads for the stage; timing inside it gets PyTorch's own count back (the
+    count ONNX Runtime's engines run on), then the lowered one again."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _: {0, 1})
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with cpu_threads_for_load() as n:
+            assert n == 1
+            with own_threads() as timed:
+                assert timed == 2 and torch.get_num_threads() == 2
+            assert torch.get_num_threads() == 1
+        with own_threads() as timed:  # nothing lowered: nothing changes
+            assert timed == 2
     finally:
         torch.set_num_threads(before)

@@ -229,6 +229,8 @@ def test_the_latency_note_names_the_sizes_a_model_of_dynamic_axes_was_timed_at()
         line = next(x for x in report_section(v) if x.startswith("Latency:"))
         assert ("Timed at samples=24000 (the largest validated sizes)" in line) == said, line
         assert ("Timed at" in line) == said
+    v = ValidationResult(passed=True, baseline=b, engines=[], failures=[], timing={**timing, "torch_threads": 2})
+    assert "PyTorch timed on 2 thread(s)." in next(x for x in report_section(v) if x.startswith("Latency:"))
 
 
 RNG = np.random.default_rng(0)
