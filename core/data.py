@@ -517,7 +517,7 @@ def _check_values(x: Inputs, y: torch.Tensor | None, split: str, ref: str) -> No
     """Inputs of a type a model can take (real numbers or booleans), and no NaN or infinity in float inputs or
     targets: a NaN would otherwise skip every training step or fail a gate as if the engine were wrong."""
     for key, t in zip(_keys(x), tensors(x)):
-        where = f"{split}_x" + ("" if is_tensor(x) else f"[{key!r}]")
+        where = f"{split}_x" + ("" if is_tensor(x) else f"[{key!r}]" if isinstance(x, Mapping) else f"[{key}]")
         if t.dtype.is_complex:
             raise DataContractError(
                 f"dataset '{ref}' gives {where} as {t.dtype}: complex inputs cannot be exported or run",

@@ -540,3 +540,13 @@ def test_dynamic_axes_on_an_input_of_the_batch_axis_alone_say_to_remove_it() -> 
     assert (
         err.value.hint == "remove 'timestep' from signature.dynamic_axes (signature.batch_sizes sizes the batch axis)"
     )
+
+
+def test_a_nan_in_a_tuple_input_names_it_by_its_index_and_in_a_dict_by_its_key() -> None:
+    from kiln.core.data import _check_values
+
+    bad = torch.tensor([[float("nan"), 1.0]])
+    with pytest.raises(DataContractError, match=r"train_x\[1\] holds 1 NaN values"):
+        _check_values((torch.zeros(1, 2), bad), None, "train", "m:load")
+    with pytest.raises(DataContractError, match=r"train_x\['mask'\] holds 1 NaN values"):
+        _check_values({"mask": bad}, None, "train", "m:load")
