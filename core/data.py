@@ -589,16 +589,17 @@ def _check_x(x: Any, field: str, ref: str) -> None:
             hint="wrap arrays with torch.from_numpy(...) in the dataset function",
         )
     for key, t in zip(_keys(x) if items else [], items):
+        at = f"[{key!r}]" if isinstance(x, Mapping) else f"[{key}]"
         if _nested_tensors(t):
             raise _nested_input(t, field, key, ref)
         if not is_tensor(t):
             raise DataContractError(
-                f"dataset '{ref}' gives {field}[{key!r}] as {type(t).__name__}, not a torch.Tensor",
+                f"dataset '{ref}' gives {field}{at} as {type(t).__name__}, not a torch.Tensor",
                 hint="wrap arrays with torch.from_numpy(...) in the dataset function",
             )
         if t.dim() == 0:
             raise DataContractError(
-                f"dataset '{ref}' gives {field}[{key!r}] as a scalar; inputs need a batch axis",
+                f"dataset '{ref}' gives {field}{at} as a scalar; inputs need a batch axis",
                 hint="stack the samples along axis 0",
             )
 
