@@ -5,17 +5,20 @@ the export before it exports (a run from a checkpoint trains nothing)."""
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kiln.core.compare import max_abs_err
 from kiln.core.data import Inputs, rebuild, tensors
 from kiln.core.errors import ModelError
 from kiln.core.outputs import host_arrays, named_outputs
 from kiln.core.random_ops import RANDOM_HINT
+from kiln.core.user_errors import is_user_file, where
 from kiln.models.registry import build_model
 
 # Two calls on the same inputs differ by more than this share of the output's largest value (or this much, for
@@ -61,7 +64,7 @@ def _refuse_random(model: nn.Module, x: Inputs, saved: list[torch.Tensor] | None
     second = _outputs(model, copy())
     moved = _moved_output(first, second)
     if moved is None:
-        _refuse_silent_draws(drawn)
+        _refuse_silent_draws(model, x, drawn)
         return
     said = f"the model answers the same inputs differently from call to call in eval mode ({moved})"
     updated = [k for k, b in model.named_buffers() if k in buffers and not _same(b, buffers[k])]
@@ -79,19 +82,49 @@ def _refuse_random(model: nn.Module, x: Inputs, saved: list[torch.Tensor] | None
     )
 
 
-def _refuse_silent_draws(drawn: bool) -> None:
+def _refuse_silent_draws(model: nn.Module, x: Inputs, drawn: bool) -> None:
     """A ModelError where a forward whose outputs agree from call to call drew from torch's default generators:
     its noise is scaled by a weight that starts at zero (StyleGAN's ``h + self.weight * torch.randn_like(h)``),
-    so the draws show only once training moves the weight, and the export refuses the graph then."""
+    so the draws show only once training moves the weight, or it is a random mask or branch that did not fire on
+    the rows tried (a classifier-free-guidance label drop, ``torch.rand(n) < p``), which training does not change;
+    the export refuses the graph either way. The line of the user's code that drew is named where one did."""
     if not drawn:
         return
+    site = _draw_site(model, x)
     raise ModelError(
-        "the model's forward draws random numbers in eval mode (torch.randn_like, torch.rand), though its outputs "
-        "did not move yet (noise at a scale that starts at zero, as in h + self.weight * torch.randn_like(h), or "
-        "one too small to tell apart): once training moves it they will, and the export would refuse the graph "
-        "after the whole training",
+        f"the model's forward draws random numbers in eval mode (torch.randn_like, torch.rand)"
+        f"{f', first in {site},' if site else ''} though its outputs did not move yet: noise at a scale that starts "
+        "at zero, as in h + self.weight * torch.randn_like(h) (once training moves it they will), one too small to "
+        "tell apart, or a random mask or branch that did not fire on the rows tried (a label drop, torch.rand(n) < "
+        "p); the export would refuse the graph, after the whole training",
         hint=RANDOM_HINT,
     )
+
+
+class _FirstDraw(TorchDispatchMode):
+    """Records the innermost frame of the user's code on the stack at the first op that draws from a generator
+    (the ops torch tags ``nondeterministic_seeded``: rand, randn, bernoulli, dropout...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.site: traceback.FrameSummary | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.site is None and torch.Tag.nondeterministic_seeded in func.tags:
+            self.site = next((f for f in reversed(traceback.extract_stack()) if is_user_file(f.filename)), None)
+        return func(*args, **(kwargs or {}))
+
+
+def _draw_site(model: nn.Module, x: Inputs) -> str:
+    """``name() at file:line`` of the user's code that drew first in a forward of ``x`` (a copy), or "" where no
+    frame of the user's drew (a library's layer) or the forward fails under the recording mode."""
+    finder = _FirstDraw()
+    try:
+        with finder:
+            _outputs(model, rebuild(x, [t.clone() for t in tensors(x)]))
+    except Exception:  # only the message's detail is at stake
+        return ""
+    return where(finder.site) if finder.site else ""
 
 
 def _generator_states() -> list[torch.Tensor]:

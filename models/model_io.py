@@ -298,10 +298,8 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # corrupt or not a checkpoint: a user problem, not a Kiln bug
-        reason = _load_failure(exc)
-        raise InputFileError(
-            f"cannot read checkpoint {path}: {reason}", hint="give a safetensors file or a torch.save'd state_dict"
-        ) from None
+        reason, hint = _load_failure(exc, path)
+        raise InputFileError(f"cannot read checkpoint {path}: {reason}", hint=hint) from None
     return _weights_in(state, path)
 
 
@@ -358,14 +356,69 @@ def _other_weights(path: Path, used: str, others: list[str]) -> None:
         )
 
 
-def _load_failure(exc: Exception) -> str:
-    """The useful line of a load error. torch's weights-only refusal opens with advice to pass
-    ``weights_only=False`` (which would run code from the file): Kiln never does, so give what it unpickled."""
+def _load_failure(exc: Exception, path: Path) -> tuple[str, str]:
+    """The useful line of a load error, and its fix. torch's weights-only refusal opens with advice to pass
+    ``weights_only=False`` (which would run code from the file): Kiln never does, so give the class it refused (a
+    training script's ``argparse.Namespace`` beside the weights) and how to save the weights alone."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    if lines and lines[0].startswith("Weights only load failed"):
-        detail = next((ln for ln in lines[1:] if not ln.startswith(("Please file", "Check the documentation"))), "")
-        return f"not a plain state dict (torch.load with weights_only=True: {detail or 'refused'})"
-    return (lines or [type(exc).__name__])[0][:300]
+    plain = "give a safetensors file or a torch.save'd state_dict"
+    if not (lines and lines[0].startswith("Weights only load failed")):
+        return (lines or [type(exc).__name__])[0][:300], plain
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    if refused is None:
+        return f"not a plain state dict (torch.load with weights_only=True: {_unpickler_error(str(exc))})", plain
+    state = _read_around_refused(path)
+    holders = [str(k) for k, v in state.items() if isinstance(v, dict) and any(is_tensor(t) for t in v.values())]
+    shown = f" (keys {_few([repr(k) for k in state], 8)})" if state else ""
+    reason = (
+        f"the checkpoint{shown} holds an object of class {refused.group(1)} beside the weights, which Kiln's "
+        "torch.load(weights_only=True) refuses (Kiln runs no code from the file)"
+    )
+    which = (
+        f"{' and '.join(repr(k) for k in holders[:3])} hold{'s' if len(holders) == 1 else ''} weights"
+        if holders
+        else "or 'model', 'state_dict', whichever key holds the weights"
+    )
+    key = holders[0] if holders else "ema"
+    hint = (
+        f"for a file you trust, save its state dict alone, e.g. torch.save(torch.load({str(path)!r}, "
+        f"weights_only=False)[{key!r}], 'weights.pt') ({which}), and give that file"
+    )
+    return reason, hint
+
+
+def _unpickler_error(text: str) -> str:
+    """What torch's weights-only unpickler refused (``Unsupported operand 103`` for a file that is no pickle), from
+    the line that follows its ``WeightsUnpickler error:``; not torch's advice around it."""
+    after = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else ""
+    lines = [ln.strip() for ln in after.splitlines() if ln.strip()]
+    return next((ln[:300] for ln in lines if not ln.startswith("Check the documentation")), "refused")
+
+
+class _Refused:
+    """Stands in for every class a weights-only load refuses, so :func:`_read_around_refused` reads the keys without
+    building the file's own objects (that would run code from it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _read_around_refused(path: Path) -> dict[Any, Any]:
+    """The top-level dict of a checkpoint that a weights-only load refuses, each refused class read as
+    :class:`_Refused`, to name its keys in the error; empty where even that fails (a refused function, not a
+    class)."""
+    import torch
+
+    try:
+        refused = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        with torch.serialization.safe_globals([(_Refused, name) for name in refused]):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # only a better message is at stake: the error stands without the keys
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:

@@ -566,16 +566,28 @@ def worse_than_mean_note(metric: Metric | None, baseline: float | None) -> str |
     """Where the reference errs more than the targets spread (:meth:`Metric.worse_than_mean`), what that means for
     ``max_metric_drop``; None elsewhere. Such a reference predicts worse than the targets' mean (an MSE's R^2 < 0:
     an offset or scale it never learned), so agreeing with it says little about the task."""
-    if metric is None or baseline is None or not metric.worse_than_mean(baseline):
+    if metric is None or metric.scale is None or baseline is None or not metric.worse_than_mean(baseline):
         return None
     spread = SPREAD_NAMES.get(metric.name, "spread")
+    said, scale = _apart(baseline, metric.scale)
+    squared = {"mse": 1, "rmse": 2}.get(metric.name)
+    r2 = f" (R^2 = {1 - (abs(baseline) / metric.scale) ** squared:.2g} < 0)" if squared else ""
     return (
-        f"the reference's {metric.name} ({baseline:.4g}) exceeds the targets' {spread} ({metric.scale:.4g}): it "
-        "predicts worse than their mean would" + (" (R^2 < 0)" if metric.name in ("mse", "rmse") else "") + ", so "
-        f"max_metric_drop holds each engine's rise over the reference's own {metric.name}, and the gate says little "
-        "about the task; check the model's training and the targets (an offset or scale it does not fit: normalise "
-        "them)"
+        f"the reference's {metric.name} ({said}) exceeds the targets' {spread} ({scale}): it predicts worse than "
+        f"their mean would{r2}, so max_metric_drop holds each engine's rise over the reference's own {metric.name}, "
+        "and the gate says little about the task; check the model's training and the targets (an offset or scale it "
+        "does not fit: normalise them)"
     )
+
+
+def _apart(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` to 4 significant digits, or as many more as it takes for two different numbers to read
+    differently (an all-zero model's MSE just over the targets' variance of 1)."""
+    for digits in range(4, 18):
+        shown = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if shown[0] != shown[1] or a == b:
+            return shown
+    return shown
 
 
 def metric_labels(val_y: Any) -> np.ndarray | None:

@@ -389,13 +389,30 @@ def _build_int8(
         cpu_candidates = candidates | (
             dynamic_nodes(src.model, ccfg, src.flops) - set(base)
         )  # its LSTMs, where dynamic
-        entry["ort_cpu"] = ort_cpu_graph(src, ort_out, ccfg, fallback, check, base, inherited, cpu_candidates)
-        _say_unfolded(src.model, ort_out, entry["ort_cpu"])
-        entry["backend_paths"] = {"onnxruntime-cpu": f"{out.parent.name}/{ort_out.name}"}
+        ort = ort_cpu_graph(src, ort_out, ccfg, fallback, check, base, inherited, cpu_candidates)
+        if quantized_nothing(ort["fallback"]):
+            _no_ort_cpu_graph(entry, ort_out, ort)
+        else:
+            entry["ort_cpu"] = ort
+            _say_unfolded(src.model, ort_out, ort)
+            entry["backend_paths"] = {"onnxruntime-cpu": f"{out.parent.name}/{ort_out.name}"}
     if ccfg.trt_table:
         table = write_trt_table(ranges.amax(), out.parent / "calibration.cache")
         entry["trt_calibration_table"] = table.name
     return entry
+
+
+def _no_ort_cpu_graph(entry: dict[str, Any], path: Path, ort: dict[str, Any]) -> None:
+    """No ONNX Runtime CPU graph where its calibration quantized no compute node (a dynamic scheme on a graph whose
+    MatMuls take no stored weight, which the quantizer warned of): it is not a variant that failed its gates, and
+    ONNX Runtime CPU engines load the Q/DQ graph, as where no such graph is asked for."""
+    path.unlink(missing_ok=True)
+    Path(f"{path}.data").unlink(missing_ok=True)
+    scheme = f"{ort['scheme']} " if ort.get("scheme") else ""
+    entry["ort_cpu_unmade"] = (
+        f"int8 (onnxruntime-cpu graph) not made: its {scheme}calibration quantized no compute node, so there is no "
+        "int8 graph of its own"
+    )
 
 
 ORT_CPU = "int8 onnxruntime-cpu"
@@ -540,7 +557,7 @@ def ort_cpu_with_fallback(
 
     named = Label(label, inherited, INHERITED) if inherited else label
     res = run_fallback(build, as_check(src, check), "int8", fallback, candidates - set(start), named)
-    _in_precision(res, out, "int8")
+    _in_precision(res, out, "int8", held=bool(inherited))
     return {
         **info,
         "kept_fp32": sorted(start | res.kept),
@@ -665,15 +682,29 @@ def build_fp8(
     return _entry(out, base | res.kept, res, {"calibration": calibration, **({"unreached": inside} if inside else {})})
 
 
-def _in_precision(res: FallbackResult, path: Path, precision: str) -> FallbackResult:
-    """A passing graph with no compute node left in ``precision`` is no variant of it: marked as failing."""
+# the failure of a graph in which calibration quantized no compute node: no fallback round kept one in float
+QUANTIZED_NOTHING = "calibration quantized no compute node"
+
+
+def _in_precision(res: FallbackResult, path: Path, precision: str, held: bool = False) -> FallbackResult:
+    """A passing graph with no compute node left in ``precision`` is no variant of it: marked as failing. Where no
+    node was kept in float beyond the start (``held``: nodes of another graph's fallback held from the start), the
+    round-0 graph had none in ``precision`` either: calibration quantized nothing, which no gate decided."""
     if res.passed and not compute_precisions(path)[precision]:
         missed = "; ".join(res.rounds[0]["failures"]) if res.rounds and res.rounds[0]["failures"] else ""
         res.passed = False
+        if not res.kept and not held:
+            res.failures.append(f"{QUANTIZED_NOTHING} to {precision}, so there is no {precision} graph to check")
+            return res
         res.failures.append(
             f"no compute node is left in {precision} once the gates pass" + (f" (round 0: {missed})" if missed else "")
         )
     return res
+
+
+def quantized_nothing(record: dict[str, Any]) -> bool:
+    """Whether a graph's fallback record (:func:`_fallback_record`) failed for :data:`QUANTIZED_NOTHING` alone."""
+    return not record["passed"] and any(f.startswith(QUANTIZED_NOTHING) for f in record["failures"])
 
 
 def _entry(out: Path, kept: dict[str, str], res: FallbackResult, extra: dict[str, Any]) -> dict[str, Any]:

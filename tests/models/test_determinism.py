@@ -3,6 +3,9 @@ that fit each cause it cannot tell apart: random draws, and a state kept in a pl
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -68,3 +71,26 @@ def test_a_model_run_twice_unchanged_passes_the_layout_check() -> None:
     layout = module_layout(model)
     refuse_random(model, torch.rand(2, 6))
     refuse_changed_layout(layout, model)
+
+
+class _LabelDrop(torch.nn.Module):
+    """Classifier-free guidance's label drop left on in eval mode: a mask that rarely fires (p tiny here, so never on
+    the rows tried), which training does not change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 4)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        drop = torch.rand(y.shape[0]) < 1e-12  # the line the error names
+        return self.emb(torch.where(drop, torch.zeros_like(y), y))
+
+
+def test_a_label_drop_that_did_not_fire_is_named_with_the_line_that_drew() -> None:
+    """Before: only noise at a zero scale was offered as the cause ("once training moves it"), with no line."""
+    with pytest.raises(ModelError, match="though its outputs did not move yet") as err:
+        refuse_random(_LabelDrop().eval(), torch.tensor([1, 2, 3]), generators=True)
+    lines = Path(__file__).read_text().splitlines()
+    line = next(n for n, text in enumerate(lines, 1) if "# the line the error names" in text)
+    assert re.search(rf"first in forward\(\) at \S*test_determinism\.py:{line},", err.value.message)
+    assert "a random mask or branch that did not fire on the rows tried (a label drop" in err.value.message

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -29,8 +31,24 @@ def test_a_reference_worse_than_the_targets_mean_is_warned_of() -> None:
 
     mse, reference = _offset()
     note = worse_than_mean_note(mse, reference)
-    assert note is not None and "exceeds the targets' variance" in note and "(R^2 < 0)" in note, note
+    assert note is not None and "exceeds the targets' variance" in note and "< 0)" in note, note
     assert worse_than_mean_note(mse, 0.5 * mse.scale) is None
+
+
+@pytest.mark.parametrize("name", ["mse", "rmse"])
+def test_a_reference_just_worse_than_the_mean_reads_as_worse(name: str) -> None:
+    """An all-zero model's MSE is the targets' mean square, just over their variance. Before: "the reference's mse
+    (1) exceeds the targets' variance (1)", both rounded to 4 digits."""
+    from kiln.stages.accuracy.metrics import worse_than_mean_note
+
+    y = np.random.default_rng(0).normal(size=100_000)
+    y = (y - y.mean()) / y.std() + 0.01  # variance 1, mean 0.01: the zero model's MSE is 1.0001
+    metric = scaled_by(resolve_metric(name, None), y)
+    reference = float(np.mean(y**2)) if name == "mse" else float(np.sqrt(np.mean(y**2)))
+    note = worse_than_mean_note(metric, reference) or ""
+    said, scale = re.search(r"reference's \w+ \((\S+)\) exceeds the targets' [\w ]+ \((\S+)\)", note).groups()
+    assert said != scale and float(said) > float(scale), note
+    assert "(R^2 = -0.0001 < 0)" in note, note
 
 
 @pytest.mark.parametrize("returned", ["0.5", b"0.5", np.array("0.5")], ids=["str", "bytes", "str-array"])
