@@ -24,6 +24,10 @@ from typing import Any
 # and those kernels; it has none for ConvTranspose
 ORT_CPU_STATIC_INTEGER = {"Conv": "QLinearConv", "MatMul": "QLinearMatMul", "Gemm": "QGemm"}
 
+# ORT's CPU QLinearConv runs fast (NHWC, indirect-GEMM) kernels for 1-D and 2-D convolutions only; a 3-D one falls
+# back to a generic im2col path that runs slower than the FP32 Conv it replaces
+SLOW_INTEGER_SPATIAL_DIMS = 3
+
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
 X86 = ("x86_64", "amd64", "x86", "i386", "i686")
 PRECISE_INT8 = "session.x64quantprecision"  # ORT session config entry: "1" = U8U8 GEMMs on x64
@@ -73,3 +77,31 @@ def int8_kernels() -> str:
 def resolve_reduce_range(setting: str) -> bool:
     """``calibration.reduce_range`` resolved: ``auto`` is on where this machine's INT8 kernels saturate."""
     return setting == "on" or (setting == "auto" and this_cpu_saturates())
+
+
+def slow_integer_convs(model: Any) -> list[str]:
+    """The convolutions of a quantized ONNX graph (an ``onnx.ModelProto``; onnx is not imported here) that ONNX
+    Runtime's CPU provider computes in QLinearConv over :data:`SLOW_INTEGER_SPATIAL_DIMS` spatial dims (a Conv3d),
+    where it has no fast kernel: a Conv whose input and weight come from DequantizeLinear (Q/DQ), or a QLinearConv.
+    Named by node (else first output), so a user learns before validation that INT8 may run slower than FP32."""
+    ranks = {t.name: len(t.dims) for t in model.graph.initializer}
+    dq = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    out = []
+    for node in model.graph.node:
+        if node.op_type == "QLinearConv" and len(node.input) > 3:
+            weight = node.input[3]
+        elif node.op_type == "Conv" and len(node.input) > 1 and node.input[0] in dq and node.input[1] in dq:
+            weight = dq[node.input[1]].input[0]
+        else:
+            continue
+        if _spatial_dims(node, ranks.get(weight)) == SLOW_INTEGER_SPATIAL_DIMS:
+            out.append(node.name or node.output[0])
+    return out
+
+
+def _spatial_dims(node: Any, weight_rank: int | None) -> int | None:
+    """A convolution's spatial dims: its ``kernel_shape`` attribute's length, else its weight's rank less two."""
+    kernel = next((list(a.ints) for a in node.attribute if a.name == "kernel_shape"), None)
+    if kernel:
+        return len(kernel)
+    return None if weight_rank is None else weight_rank - 2

@@ -341,7 +341,8 @@ class EngineMetadata(Record):
         for spec in self.inputs:
             for axis, dim in enumerate(spec.shape):
                 shape = shapes.get(spec.name, ())
-                if not isinstance(dim, str) or dim not in self.axis_ranges or axis >= len(shape) or dim in said:
+                held = dim in self.axis_ranges or dim in self.axis_steps if isinstance(dim, str) else False
+                if not held or axis >= len(shape) or dim in said:
                     continue
                 refused = self._refused_size(spec.name, axis, dim, shape[axis])
                 if refused is not None:
@@ -352,8 +353,9 @@ class EngineMetadata(Record):
         """Why input ``name``'s ``axis`` at ``size`` breaks a rule of the sizes the engine takes on ``dim``, naming
         only the one it breaks, as (within the range, the sentence): past its range (:attr:`axis_ranges`), the
         range; within it, the steps of its graph (:attr:`axis_steps`) and the sizes next to it that they take.
-        None where the engine takes the size."""
-        low, high = self.axis_ranges[dim]
+        None where the engine takes the size. An axis with steps and no range (an engine built from an exported file
+        given no sizes keeps the steps its export recorded) is held to its steps alone."""
+        low, high = self.axis_ranges.get(dim, (1, size + max(self.axis_steps.get(dim, [1])[0], 1)))
         pattern = self.axis_steps.get(dim, [1, 0])
         where = f"input '{name}' axis {axis} ({dim}) is {size}"
         if not low <= size <= high:

@@ -460,7 +460,7 @@ def check_sizes(meta: EngineMetadata, shapes: dict[str, tuple[int, ...]], allow_
     batch = None if allow_outside_ranges else meta.outside_batch(shapes)  # a packaged engine's validated batches
     if batch is not None:
         raise InputError(batch, hint=BATCH_HINT)
-    ranged = bool(meta.axis_ranges) and not allow_outside_ranges
+    ranged = bool(meta.axis_ranges or meta.axis_steps) and not allow_outside_ranges
     problem = meta.outside_range(shapes) if ranged else meta.tied_mismatch(shapes)
     if problem is None:
         return

@@ -43,7 +43,8 @@ def checked_ranges(
     warning waits for the build (:func:`record_checked`), since a backend that needs them (TensorRT's profiles)
     refuses the graph rather than take any size. ``from_variant``: the sizes are those ``kiln precision``
     recorded. Steps the file's export wrote into its metadata (:data:`GRAPH_STEPS_KEY`: sizes where its graph runs
-    but does not compute the model) are recorded too, merged with the probe's: a size must be on both."""
+    but does not compute the model) are recorded too, merged with the probe's: a size must be on both; for axes
+    given no range they are recorded alone, so the engine still refuses sizes off them."""
     specs = io_specs(load_onnx(graphs[0], load_external_data=False))[0]
     names = axis_names(specs)
     source = "kiln precision's variants.json" if from_variant else "signature.shapes"
@@ -52,11 +53,11 @@ def checked_ranges(
     unnamed = unnamed_axes(specs)
     if unnamed:
         _warn_unnamed(graphs[0], unnamed, names)
-        return {}, {}
+        return {}, _recorded_only(graphs, names)
     if not names:
         return {}, {}
     if any(not sizes.get(n) for n in names):  # said once the backend builds without them (record_checked)
-        return {}, {}
+        return {}, _recorded_only(graphs, names)
     probe, why = SizeProbe.open(graphs)
     ranges = {n: (min(sizes[n]), max(sizes[n])) for n in names}
     base = probe.base(ranges) if probe else None
@@ -64,7 +65,7 @@ def checked_ranges(
         _warn_unchecked(
             names, f"ONNX Runtime could not run the graph on the CPU to check them ({probe.why if probe else why})"
         )
-        return {}, {}
+        return {}, _recorded_only(graphs, names)
     checked, steps = _probe_axes(probe, base, ranges, source)
     steps = _with_recorded(steps, recorded_steps(graphs), {n: sizes[n] for n in checked}, graphs[0], source)
     if from_variant:
@@ -107,6 +108,20 @@ def recorded_steps(graphs: list[Path]) -> dict[str, list[int]]:
         if text is not None:
             return parse_graph_steps(text, str(path))
     return {}
+
+
+def _recorded_only(graphs: list[Path], names: list[str]) -> dict[str, list[int]]:
+    """The steps the file's export recorded (:func:`recorded_steps`) for the graph's named axes, where the build
+    checks no range of theirs: kept so the engine still refuses a size its graph runs at without computing the
+    model, said in the log."""
+    steps = {n: p for n, p in recorded_steps(graphs).items() if n in names}
+    for name, pattern in steps.items():
+        log.info(
+            "axis %s: %s records that its graph computes the model at %s%s only (metadata %s): the engine refuses "
+            "the others",
+            *(name, graphs[0].name, name, steps_text(pattern), GRAPH_STEPS_KEY),
+        )
+    return steps
 
 
 def _with_recorded(

@@ -251,7 +251,9 @@ def run_fallback(
         if not cfg.enabled or round_no == cfg.max_rounds:
             break
         quantized = precision in QUANTIZED
+        blamed = time.perf_counter()
         picks, inert, ready = _next_picks(build, check, verdict, result.path, candidates, kept, cfg, quantized, label)
+        _log_blame(label, round_no, len(picks), time.perf_counter() - blamed, time.perf_counter() - start)
         if inert:
             result.rounds[-1]["inert"] = inert
         if not picks:
@@ -349,6 +351,15 @@ def _log_round(label: str, round_no: int, rounds: int, kept: dict[str, str], ver
         kept_note(kept, label),
         seconds,
         "" if verdict.passed else f": {'; '.join(verdict.failures)}",
+    )
+
+
+def _log_blame(label: str, round_no: int, count: int, seconds: float, round_s: float) -> None:
+    """The INFO line of a round's blame (:func:`_next_picks`: per-node errors of both graphs, seconds over large
+    activations), which runs after the round's line: its time and the round's in all, so no stretch goes unsaid."""
+    log.info(
+        "%s round %d: blamed %d node%s in %.1f s (the round took %.1f s in all)",
+        *(label, round_no, count, "" if count == 1 else "s", seconds, round_s),
     )
 
 

@@ -23,6 +23,7 @@ from kiln.calibration.data import Batch, batch_limit, calibration_batches, datas
 from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.calibration.feeds import save_feeds
 from kiln.calibration.quantize import DYNAMIC_RECURRENT, check_exclusions, quantizable_op_types
+from kiln.core.cpu_int8 import slow_integer_convs
 from kiln.core.data import DatasetSplits, feed_for_graph, fixed_columns, integer_ranges, rows, take
 from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
@@ -50,7 +51,7 @@ from kiln.stages.precision.node_errors import (
     plot_node_errors,
 )
 from kiln.stages.precision.provenance import torch_modules
-from kiln.stages.precision.report import vs_fp32_text
+from kiln.stages.precision.report import ort_cpu_left, vs_fp32_text
 from kiln.stages.precision.variants import (
     Carried,
     NotMade,
@@ -289,8 +290,29 @@ def build_variants(
                 shutil.rmtree(root / precision, ignore_errors=True)
             else:
                 _log_variant(log, precision, variants[precision])
+                _warn_slow_convs(log, root, precision, variants[precision])
             bar.advance(1, note=precision)
     return variants, failed
+
+
+def _warn_slow_convs(log: logging.Logger, root: Path, precision: str, entry: dict[str, Any]) -> None:
+    """Said once for an INT8 variant whose graph for ONNX Runtime CPU (its own, else the Q/DQ graph where that was
+    made) quantizes 3-D convolutions (:func:`~kiln.core.cpu_int8.slow_integer_convs`): ORT's CPU QLinearConv has no
+    fast path for them, so its engine likely runs slower than FP32, which validation would only say at the end.
+    Nothing built changes."""
+    path = (entry.get("backend_paths") or {}).get("onnxruntime-cpu") or (None if entry.get("unmade") else entry["path"])
+    if precision != "int8" or path is None:
+        return
+    convs = slow_integer_convs(load_onnx(root / path, load_external_data=False))
+    if convs:
+        log.warning(
+            "%s: %d 3-D convolution%s (%s) run in INT8 on ONNX Runtime CPU as QLinearConv, which has no fast path "
+            "over 3 spatial dims: expect its ONNX Runtime CPU engine to run slower than FP32; keep them in float "
+            "with calibration.exclude_op_types: [Conv], or set precision.require_speedup: true to drop an engine "
+            "slower than FP32",
+            *(precision, len(convs), "" if len(convs) == 1 else "s"),
+            ", ".join(convs[:4]) + (", ..." if len(convs) > 4 else ""),
+        )
 
 
 def _log_dropped(log: logging.Logger, precision: str, exc: KilnError, required: Collection[str] | None) -> None:
@@ -653,7 +675,7 @@ def _log_variant(log: logging.Logger, precision: str, entry: dict[str, Any]) -> 
             entry["path"],
         )
     if entry.get("ort_cpu_unmade"):
-        log.warning("%s; ONNX Runtime CPU engines load the Q/DQ graph instead", entry["ort_cpu_unmade"])
+        log.warning("%s; %s", entry["ort_cpu_unmade"], ort_cpu_left(entry))
 
 
 def variant_record(entry: dict[str, Any]) -> PrecisionVariant:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.core.cpu_int8 import PRECISE_INT8, cpuinfo_flags, saturates
+from kiln.core.cpu_int8 import PRECISE_INT8, cpuinfo_flags, saturates, slow_integer_convs
 from kiln.core.onnx_io import session_options
 
 SKYLAKE_SP = "processor\t: 0\nvmx flags\t: ept vpid\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512vl\n"
@@ -55,3 +55,19 @@ def test_the_exact_kernels_run_an_int8_graph(monkeypatch: pytest.MonkeyPatch, tm
     monkeypatch.setattr("kiln.core.cpu_int8.this_cpu_saturates", lambda: True)
     ref, got = run_batched(path, x)[0], run_batched(tmp_path / "int8.onnx", x)[0]
     assert output_metrics(ref, got)["cosine"] > 0.98
+
+
+@pytest.mark.parametrize("dims, want", [(1, []), (2, []), (3, ["conv3d"])])
+def test_only_quantized_3d_convolutions_lack_a_fast_integer_kernel(tmp_path, dims: int, want: list[str]) -> None:
+    """A Q/DQ graph's Conv over 3 spatial dims is named; so is its QLinearConv form (ORT's QOperator graph)."""
+    import onnx
+
+    from tests.stages.precision.test_stage_slow_convs import quantized
+
+    model = onnx.load(str(quantized(tmp_path, dims)))
+    assert slow_integer_convs(model) == want
+    if dims == 3:
+        weight = next(i for i in model.graph.initializer if len(i.dims) == 5)
+        qlinear = onnx.helper.make_node("QLinearConv", ["x", "s", "z", weight.name, "ws", "wz", "ys", "yz"], ["y"])
+        model.graph.node.append(qlinear)
+        assert slow_integer_convs(model) == ["conv3d", "y"]

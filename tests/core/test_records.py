@@ -335,3 +335,12 @@ def test_a_row_index_among_an_outputs_statistics_stays_an_integer_in_json() -> N
 def test_percentiles_of_calls_are_ordered_and_interpolated() -> None:
     p = Percentiles.of(list(np.arange(1, 101, dtype=float)))
     assert (p.p50, p.p90, p.p99) == pytest.approx((50.5, 90.1, 99.01)) and p.rounds == [] and p.ci95 is None
+
+
+def test_steps_without_a_range_hold_the_servers_check_too() -> None:
+    """An engine built from an exported file given no sizes keeps the steps its export recorded and no range: the
+    check every server runs (outside_range) refuses a size off them and takes the others, however large."""
+    spec = TensorSpec(name="input", shape=["batch", 3, "H"], dtype="float32")
+    meta = _meta().model_copy(update={"inputs": [spec], "axis_steps": {"H": [4, 0]}})
+    assert "(H) is 6: engine e's graph takes H only in steps of 4" in (meta.outside_range({"input": (1, 3, 6)}) or "")
+    assert meta.outside_range({"input": (1, 3, 8)}) is None and meta.outside_range({"input": (1, 3, 4096)}) is None

@@ -149,3 +149,25 @@ def test_no_pick_left_that_changes_the_graph_ends_the_search(tmp_path: Path, mon
     result = fallback.run_fallback(build, ScriptedCheck(built), "int8", FallbackConfig(), {"a", "b", "r"}, "int8")
     assert not result.passed and len(result.rounds) == 1 and result.tried == [] and result.kept == {}
     assert result.rounds[0]["inert"] == ["a", "b", "r"]
+
+
+def test_each_rounds_blame_is_logged_with_its_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The blame after a round's line (per-node errors over every activation: seconds at a 3-D model's sizes) says
+    how many nodes it picked, in how long, and the round's seconds in all."""
+    monkeypatch.setattr(fallback, "blame", lambda fp32, path, x, candidates, kept, count, *_: {"c": "why"})
+    built: list[set[str]] = []
+
+    def build(extra: set[str]) -> Path:
+        built.append(set(extra))
+        (tmp_path / "variant.onnx").write_text(",".join(sorted(extra)))
+        return tmp_path / "variant.onnx"
+
+    with caplog.at_level(logging.INFO, logger="kiln.precision"):
+        result = fallback.run_fallback(build, ScriptedCheck(built), "int8", FallbackConfig(), {"c"}, "int8")
+    said = [r.getMessage() for r in caplog.records]
+    assert result.passed and result.tried == ["c"], result.rounds
+    blamed = [m for m in said if m.startswith("int8 round 0: blamed 1 node in ")]
+    assert len(blamed) == 1 and blamed[0].endswith(" s in all)"), said
+    assert said.index(blamed[0]) > next(i for i, m in enumerate(said) if m.startswith("int8 round 0 of at most"))
