@@ -60,6 +60,7 @@ from kiln.stages.precision.variants import (
     build_fp16,
     build_int8,
     carried_precision,
+    quantized_nothing,
 )
 
 
@@ -489,6 +490,8 @@ def _why(label: str, fallback: dict[str, Any], outcome: str = "not made") -> str
     nodes = f"tried keeping {len(tried)} nodes in float ({', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"
     stopped = [r["stopped"] for r in fallback.get("rounds") or [] if r.get("stopped")]
     failures = "; ".join(fallback.get("failures") or ["?"])
+    if "passed" in fallback and quantized_nothing(fallback):  # no graph of that precision to judge: no gate missed
+        return f"{label} not made: {failures}"
     if fallback.get("enabled") is False:  # one graph, checked once: no round kept anything in float
         return f"{label} {outcome}: it misses the gates its engines face ({failures}); the accuracy fallback is off"
     return (
