@@ -36,6 +36,11 @@ STATISTICS: dict[str, str] = {
     "top1_ties": "fraction of rows whose argmax flipped on a tie: the reference's margin between the two classes "
     "within the candidate's own, small error on that row (TIE_SIGMAS robust deviations of its error on the other "
     "classes, at most TIE_MAX_NOISE of the row's spread)",
+    "top_class_share": "of dense class logits (positions besides the batch), the share of the positions the top-1 "
+    "agreement counts at which the reference's top class is its most frequent one; recorded where over DOMINANT_CLASS",
+    "worst_class": "of such logits, the class the reference predicts whose positions agree least (class_agreement)",
+    "worst_class_agreement": "that class's agreement: the share of the positions where the reference says it at "
+    "which the candidate says it too (its recall), over every position (or the labelled ones), ties agreeing",
     "levels": "of an integer output that holds levels of a quantity (integer_levels: uint8 pixel values), its count "
     "of distinct values; it is then held to its error as a float output is, not to its share of equal values",
 }
@@ -68,6 +73,9 @@ MASK_RATIO = 1e3
 # qualify: a vocabulary's or ImageNet's are sparse over their range, and few tasks have 100 classes or more.
 LEVELS_MIN = 100
 LEVELS_FILL = 0.5
+# Dense class logits whose reference says one class at more than this share of the positions counted (a volume's
+# background) have a top-1 agreement that class alone decides: each class's own agreement is measured too
+DOMINANT_CLASS = 0.9
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,9 @@ class OutputStats:
     worst_sample: int | None = None  # which row of the batch axis that is
     norm_rel_err: float | None = None  # the error over the output's norm, where rel_err is over something else
     levels: int | None = None  # an integer output of levels: its count of distinct values (None: any other output)
+    top_class_share: float | None = None  # dense class logits one class dominates: that class's share (class_agreement)
+    worst_class: int | None = None  # ...the class the reference predicts that agrees least
+    worst_class_agreement: float | None = None  # ...and its agreement (recall)
     agreement: Agreement = "top1"
 
     def as_dict(self) -> dict[str, float | None]:
@@ -355,6 +366,13 @@ def _rows_beside(r: np.ndarray, g: np.ndarray, shared: np.ndarray) -> tuple[np.n
     return np.where(finite[:, None], r, 0.0), np.where(finite[:, None], g, 0.0), finite
 
 
+def worst_sample(ref: np.ndarray, got: np.ndarray, batch_axis: int = 0) -> tuple[float | None, int | None]:
+    """The worst sample's cosine and its index (:func:`sample_cosines`) where the samples lie along ``batch_axis``
+    (a time-major output's ``[T, N, ...]``: axis 1), not axis 0 as :func:`compare_arrays` takes them."""
+    r, g = (np.moveaxis(np.asarray(a, dtype=np.float64), batch_axis, 0) for a in (ref, got))
+    return _worst_sample(sample_cosines(r, g))
+
+
 def _worst_sample(cos: np.ndarray | None) -> tuple[float | None, int | None]:
     """The lowest per-sample cosine and its row (a NaN first: it is the worst)."""
     if cos is None:
@@ -388,6 +406,25 @@ def _top1(
     [``binary_at``, z] (:func:`_two_classes`): its decision, z above ``binary_at``, flips on a tie where the
     reference's z lies within ``rel_tie`` of the largest distance of its values from ``binary_at``; one logit per
     row without a class axis (``[N]``) is that logit too."""
+    rows = _agreeing(r, g, rel_tie, where, shared, binary_at)
+    if rows is None:
+        return None, None
+    _, agree, tied = rows
+    if not len(agree):
+        return 1.0, 0.0
+    return float(np.mean(agree)), float(np.mean(tied))
+
+
+def _agreeing(
+    r: np.ndarray,
+    g: np.ndarray,
+    rel_tie: float,
+    where: np.ndarray | None = None,
+    shared: np.ndarray | None = None,
+    binary_at: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Per row (or position) that :func:`_top1` counts: the reference's class, whether the candidate agrees (a flip
+    on a tie agreeing), and whether it flipped on a tie; None where there is no class axis to agree on."""
     if binary_at is not None and r.ndim == 1:  # [N]: one logit per row, as [N, 1]
         r, g = r[:, None], g[:, None]
         shared = None if shared is None else shared[:, None]
@@ -395,13 +432,13 @@ def _top1(
     if binary_at is not None and r.ndim >= 2 and r.shape[axis] == 1:
         r, g, shared = _two_classes(r, g, shared, axis, binary_at)
     if r.ndim < 2 or r.shape[axis] < 2:
-        return None, None
+        return None
     shared = np.zeros(r.shape, dtype=bool) if shared is None else shared
     r2, g2, s2 = (np.moveaxis(a, axis, -1).reshape(-1, r.shape[axis]) for a in (r, g, shared))
     if where is not None and where.size == len(r2):
         r2, g2, s2 = r2[where.reshape(-1)], g2[where.reshape(-1)], s2[where.reshape(-1)]
     if not len(r2):
-        return 1.0, 0.0
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)
     ri, gi = r2.argmax(-1), g2.argmax(-1)
     rows = np.arange(len(r2))
     margin = np.abs(r2[rows, ri] - r2[rows, gi])
@@ -416,7 +453,52 @@ def _top1(
             noise = 1.4826 * np.nanmedian(err, axis=1)
             tie |= (margin <= TIE_SIGMAS * noise) & (noise <= TIE_MAX_NOISE * np.nanstd(values, axis=1))
     flips = ri != gi
-    return float(np.mean(~flips | tie)), float(np.mean(flips & tie))
+    return ri, ~flips | tie, flips & tie
+
+
+@dataclass(frozen=True)
+class ClassAgreement:
+    """Dense class logits one class dominates (:func:`class_agreement`): that class's share of the positions, and
+    the class the reference predicts whose positions the candidate agrees with least, with that agreement."""
+
+    top_class_share: float
+    worst_class: int
+    worst_class_agreement: float
+
+
+# A class the reference predicts at fewer positions than this has no agreement of its own to report: a few
+# positions' flips would be noise
+CLASS_MIN_POSITIONS = 100
+
+
+def class_agreement(
+    ref: np.ndarray, got: np.ndarray, where: np.ndarray | None = None, rel_tie: float = 0.0
+) -> ClassAgreement | None:
+    """Of dense class logits (positions besides the batch: ``[N, A, C]``, ``[N, C, D, H, W]``) whose reference says
+    one class at more than :data:`DOMINANT_CLASS` of the positions, the agreement per class the reference predicts
+    (at :data:`CLASS_MIN_POSITIONS` positions or more): the share of its positions where the candidate says it
+    too, a flip on a tie agreeing (:func:`_top1`). Their overall agreement is the dominant class's (a volume's
+    background), and an engine that shrinks every rare region barely moves it. Over the positions ``where`` says
+    (labelled ones), else every position: a rare class's uncertain boundary is where a biased engine flips it.
+    None: logits per row, fewer than two classes, no class dominating, or no class of enough positions."""
+    axis = class_axis(np.ndim(ref))
+    if np.ndim(ref) < 3 or np.asarray(ref).dtype.kind != "f" or ref.shape[axis] < 2:
+        return None
+    r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        rows = _agreeing(r, g, rel_tie, where, set_aside(r, g))
+    if rows is None or not len(rows[0]):
+        return None
+    classes, agree = rows[0], rows[1]
+    counts = np.bincount(classes, minlength=ref.shape[axis])
+    share = float(counts.max() / len(classes))
+    if share <= DOMINANT_CLASS:
+        return None
+    recall = {int(c): float(np.mean(agree[classes == c])) for c in np.flatnonzero(counts >= CLASS_MIN_POSITIONS)}
+    if not recall:
+        return None
+    worst_class = min(recall, key=lambda c: recall[c])
+    return ClassAgreement(share, worst_class, recall[worst_class])
 
 
 def _two_classes(

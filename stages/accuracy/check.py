@@ -20,6 +20,7 @@ from kiln.core.compare import (
     Masks,
     OutputStats,
     agrees,
+    class_agreement,
     class_axis,
     compare_outputs,
     integer_levels,
@@ -107,6 +108,7 @@ def compare_all(
             "fp32_ops), or serve the scores and threshold them outside the engine",
         )
     decide = decisions and logits is not None and logits in ref
+    labelled = where
     if where is None and logits is not None and logits in ref and not decide:
         where = confident_positions(ref[logits])
     rows = len(ref[logits]) if per_row and logits in ref and ref[logits].ndim else None
@@ -125,9 +127,25 @@ def compare_all(
     stats = relative_to_spread(stats, ref, got, spreads(ref, held) if spread is None else spread, logits)
     if decide:
         stats[logits] = replace(stats[logits], agreement="decision")
+    elif not one and logits in stats and stats[logits].top1_agreement is not None:
+        stats[logits] = with_class_agreement(stats[logits], ref[logits], got[logits], labelled)
     # an integer output keeps its agreement (its share of equal values: compare_arrays) in place of a cosine
     keep = {n for n, s in stats.items() if n == logits or s.cosine is None}
     return {n: s if n in keep else replace(s, top1_agreement=None, top1_ties=None) for n, s in stats.items()}
+
+
+def with_class_agreement(stats: OutputStats, ref: np.ndarray, got: np.ndarray, where: np.ndarray | None) -> OutputStats:
+    """``stats`` of dense class logits with the worst class's agreement where one class dominates them
+    (:func:`~kiln.core.compare.class_agreement`, over the labelled positions ``where``, else every position)."""
+    found = class_agreement(ref, got, where)
+    if found is None:
+        return stats
+    return replace(
+        stats,
+        top_class_share=found.top_class_share,
+        worst_class=found.worst_class,
+        worst_class_agreement=found.worst_class_agreement,
+    )
 
 
 def level_outputs(ref: dict[str, np.ndarray], logits: str | None) -> set[str]:
@@ -282,10 +300,21 @@ def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[st
                 *_worse_sample(t, s),
                 pick(t.norm_rel_err, s.norm_rel_err, False),
                 _most(t.levels, s.levels),
+                *_worse_class(t, s),
                 "decision" if "decision" in (t.agreement, s.agreement) else "top1",
             )
         out[name] = s
     return out
+
+
+def _worse_class(a: OutputStats, b: OutputStats) -> tuple[float | None, int | None, float | None]:
+    """The worse of two worst classes' agreements (:func:`with_class_agreement`), with its class and the share of
+    the class that dominates where it was measured."""
+    if a.worst_class_agreement is None or (
+        b.worst_class_agreement is not None and b.worst_class_agreement < a.worst_class_agreement
+    ):
+        return b.top_class_share, b.worst_class, b.worst_class_agreement
+    return a.top_class_share, a.worst_class, a.worst_class_agreement
 
 
 def _most(a: int | None, b: int | None) -> int | None:
@@ -326,8 +355,32 @@ def summarize(
     entry.top1_agreement = floats[logits].top1_agreement if logits in floats else None
     entry.top1_ties = floats[logits].top1_ties if logits in floats else None
     entry.agreement = stats[logits].agreement if logits in stats else "top1"
+    if logits in floats:
+        _warn_one_class(entry.name, logits, floats[logits])
     if entry.gates:  # a limit derived from min_cosine is no setting: the record says it beside max_rel_err
         entry.gates = {**entry.gates, **held_rel_err(entry.outputs, entry.gates, entry.precision, gated)}
+
+
+def _warn_one_class(engine: str, logits: str, stats: OutputStats) -> None:
+    """Warn where one class dominates dense class logits and a rarer class agrees less than the whole does: the
+    top-1 agreement gated is then the dominant class's (a volume's background), and a rare class's regions may
+    shrink under it unseen."""
+    share, worst_agreement = stats.top_class_share, stats.worst_class_agreement
+    if share is None or worst_agreement is None or stats.top1_agreement is None:
+        return
+    if not worst_agreement < stats.top1_agreement:
+        return
+    log.warning(
+        "engine %s: the top-1 agreement of '%s' (%.4f) is one class's: the reference's top class is the same at "
+        "%.1f%% of its positions, while class %d agrees at only %.4f of the positions the reference "
+        "gives it. Gate the rare classes with validate.metric: macro_f1 (labels needed)",
+        engine,
+        logits,
+        stats.top1_agreement,
+        100 * share,
+        stats.worst_class,
+        worst_agreement,
+    )
 
 
 def held_rel_err(
@@ -881,7 +934,11 @@ class Reference:
         when they miss the scored one (a CTC model's token ids [N, 24] beside per-frame log-probabilities
         [N, 63, 30], which a user's loss reads). Said once. Other labels that do not fit stay, for
         :func:`check_labels_fit`'s error."""
-        missed = [i for i, (y, out) in enumerate(zip(self.point_labels, self.outputs)) if self._misses(y, out)]
+        missed = [
+            i
+            for i, (y, out) in enumerate(zip(self.point_labels, self.outputs))
+            if self._misses(y, out, feed_rows(self.feeds[i][1]))
+        ]
         if not missed:
             return
         i, y = missed[0], self.point_labels[missed[0]]
@@ -897,25 +954,32 @@ class Reference:
             )
             self.point_labels = [None if j in missed else y for j, y in enumerate(self.point_labels)]
             return
+        rows = f"; their rows are not the samples, {len(y)}" if len(y) != len(logits) else ""
         log.warning(
             "the held-out labels %s%s do not follow the positions of class logits '%s' %s (they take labels "
-            "%s): no task accuracy is measured, and top-1 agreement counts every position the reference is confident "
-            "at",
+            "%s%s): no task accuracy is measured, and top-1 agreement counts every position the reference is "
+            "confident at",
             y.dtype,
             list(y.shape),
             self.logits,
             list(logits.shape),
             positions,
+            rows,
         )
         self.point_labels = [None] * len(self.point_labels)
 
-    def _misses(self, y: np.ndarray | None, out: dict[str, np.ndarray]) -> bool:
+    def _misses(self, y: np.ndarray | None, out: dict[str, np.ndarray], rows: int) -> bool:
         """Labels per position of a sequence of another length than the class logits' (targets [N, L] beside
-        [N, T, C]); any other misfit is :func:`check_labels_fit`'s error."""
+        [N, T, C]), or labels of the ``rows`` samples beside class logits whose rows are not the samples (a CRNN's
+        time-major [T, N, C], its batches stacked along T); any other misfit is :func:`check_labels_fit`'s error."""
         logits = out.get(self.logits or "")
-        if y is None or logits is None or logits.ndim != 3 or not per_position(y) or y.ndim != 2:
+        if y is None or logits is None or logits.ndim < 2 or y.ndim < 1:
             return False
-        return y.shape[0] == logits.shape[0] and y.shape[1] != logits.shape[1] and y.shape != logits.shape
+        if len(y) == rows != len(logits):
+            return True
+        if logits.ndim != 3 or not per_position(y) or y.ndim != 2:
+            return False
+        return y.shape[1] != logits.shape[1] and y.shape != logits.shape
 
     @property
     def by_value(self) -> list[str]:
@@ -1416,7 +1480,9 @@ def top1_output(
     agreement would pass or fail an engine at random. It is then compared as outputs without class logits are:
     cosine of the whole output and of its worst sample, error and relative error."""
     if logits is not None and named and data is not None and regression(data):
-        log.warning(
+        # naming the prediction among several outputs (a forecaster's mean beside its log_var) is the setting's
+        # use with a regression's targets, and what the warning of a tuple output asks for: said as information
+        log.info(
             "output '%s', which signature.logits_output names, holds the prediction of float targets (a "
             "regression's): compared by cosine, error and relative error, not by top-1 agreement (give num_classes "
             "in the data if it holds class logits, or a multi-label head's)",
@@ -1573,7 +1639,16 @@ def compare_on(
 
 def _batch_wide(stats: OutputStats) -> OutputStats:
     """The statistics of one spot-check batch that hold for any rows: without the rates over the held-out rows."""
-    return replace(stats, top1_agreement=None, top1_ties=None, sample_cosine=None, worst_sample=None)
+    return replace(
+        stats,
+        top1_agreement=None,
+        top1_ties=None,
+        sample_cosine=None,
+        worst_sample=None,
+        top_class_share=None,
+        worst_class=None,
+        worst_class_agreement=None,
+    )
 
 
 def accuracy_failures(

@@ -4,12 +4,13 @@ on the user's inputs (``--inputs x.npz``) or random ones of the engine's declare
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kiln.core.compare import OutputStats
+from kiln.core.compare import OutputStats, worst_sample
 from kiln.core.data import feed_rows
 from kiln.core.errors import InputError, InputFileError
 from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, rows_per_call, run_batched
@@ -20,6 +21,7 @@ from kiln.core.output_names import SINGLE_OUTPUT, logits_name
 from kiln.core.random_ops import RANDOM_HINT
 from kiln.core.records import EngineMetadata, EngineValidation, Percentiles, steps_text, takes_size
 from kiln.core.shapes import axis_names, graph_axes, refuse_unknown_axes, resize, shape_points
+from kiln.core.signature import BATCH_AXIS
 from kiln.core.text import FEATURE_NAMES, short_reason
 from kiln.stages.accuracy.check import compare_all, direct_top1, gated_list, gates_for, merge_worst, summarize
 from kiln.stages.engines.backend import check_feed as check_engine_feed
@@ -255,9 +257,39 @@ def _compared(
             without_padding(feed, got, axes, out_axes),
         )
         stats = compare_all(unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL, decisions=decisions)
+        stats = _samples_along_batch(meta, feed_rows(feed), unpadded_ref, unpadded_got, stats)
         kept = merge_worst(kept, stats) if kept else stats
         unmeasured += [u for u in nothing_measured(ref, got) if u not in unmeasured]
     return kept, unmeasured
+
+
+def batch_axis(meta: EngineMetadata, name: str, shape: tuple[int, ...], rows: int) -> int | None:
+    """The axis of output ``name`` (of ``shape``, on ``rows`` samples) that holds the samples, as the engine's
+    record declares it (named ``batch``): the one such axis, or where several carry the name (an exporter's
+    ``['batch', 'batch', 11]`` for a time-major ``[T, N, C]``) the one of them as long as the samples; None where
+    the record declares none, or cannot tell them apart."""
+    spec = next((o for o in meta.outputs if o.name == name), None)
+    if spec is None or len(spec.shape) != len(shape):
+        return None
+    named = [i for i, dim in enumerate(spec.shape) if dim == BATCH_AXIS]
+    if len(named) > 1:
+        named = [i for i in named if shape[i] == rows]
+    return named[0] if len(named) == 1 else None
+
+
+def _samples_along_batch(
+    meta: EngineMetadata, rows: int, ref: Feed, got: Feed, stats: dict[str, OutputStats]
+) -> dict[str, OutputStats]:
+    """``stats`` with the worst sample of each output whose samples lie on another axis than 0
+    (:func:`batch_axis`: a time-major ``[T, N, C]``) taken along that axis: its rows are time steps, and the worst
+    of them no sample the user can look up."""
+    out = dict(stats)
+    for name, s in stats.items():
+        axis = batch_axis(meta, name, ref[name].shape, rows) if name in ref and name in got else None
+        if axis and s.sample_cosine is not None:
+            cosine, row = worst_sample(ref[name], got[name], axis)
+            out[name] = replace(s, sample_cosine=cosine, worst_sample=row)
+    return out
 
 
 def _logits_setting(cfg: ValidateSettings, meta: EngineMetadata, names: list[str]) -> str | int | None:
