@@ -71,6 +71,25 @@ def _probe_taken(feed: dict[str, Any] | None, why: str, path: Path) -> dict[str,
     return name_output_axes(path, feed, axes)
 
 
+def _taken_sizes(
+    ctx: StageContext[ExportSettings], path: Path, feed: dict[str, Any] | None
+) -> dict[str, dict[int, list[int]]]:
+    """:data:`DYNAMIC_SIZES` of a taken ``model.onnx`` at ``path``, written as an export writes it: the sizes the
+    data gives each dynamic axis besides batch the file declares (:func:`dynamic_sizes`), at which the optimizer's
+    safety net draws its random inputs. Axes tied by an offset (a decoder step's total_sequence_length =
+    past_sequence_length + 1) meet only at the data's sizes. Nothing where the data does not fit the file
+    (``feed`` None: :func:`_data_feed`)."""
+    if feed is None:
+        return {}
+    inputs, _ = io_specs(load_onnx(path, load_external_data=False))
+    axes = {n: {a: d for a, d in dims.items() if a < feed[n].ndim} for n, dims in graph_axes(inputs).items()}
+    names = [s.name for s in inputs]
+    sizes = dynamic_sizes(ctx.dataset(), names, {n: dims for n, dims in axes.items() if dims})
+    if sizes:
+        (ctx.out / DYNAMIC_SIZES).write_text(json.dumps(sizes, indent=2, sort_keys=True) + "\n")
+    return sizes
+
+
 def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     cfg = ctx.config.export
     if ctx.config.model.onnx:
@@ -88,7 +107,10 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
             refuse_other_output_names(
                 model, example, summary.outputs, Path(ctx.config.model.onnx).name, ctx.config.model.name
             )
-        return summary.model_copy(update={"output_axes": _probe_taken(feed, why, ctx.out / "model.onnx")})
+        followed = _probe_taken(feed, why, ctx.out / "model.onnx")
+        random = on_random_inputs(ctx.config.model, ctx.config.data)  # sizes drawn, not the data's
+        sizes = {} if random else _taken_sizes(ctx, ctx.out / "model.onnx", feed)
+        return summary.model_copy(update={"output_axes": followed, "dynamic_sizes": sizes})
     if not cfg.dynamic_batch:
         # A static graph is fixed at the export example's batch; parity, build and validate all need others.
         raise ConfigError(
@@ -203,9 +225,9 @@ def export_direct(
     # held to the tolerance the pipeline holds it to
     require_parity(check, atol, rtol, f"{output.name}, on {example_source(specs)}", random)
     steps: dict[str, list[int]] = {}
+    names = [i.name for i in proto.graph.input]
     if cfg.signature.dynamic_axes:
         on = x if cfg.export.dynamic_batch else example  # a fixed batch takes the traced rows only
-        names = [i.name for i in proto.graph.input]
         seen = [feed_for_graph(take(on, slice(0, 1)), names)]
         feed, axes = feed_for_graph(on, names), dict(cfg.signature.dynamic_axes)
         shapes = cfg.signature.shapes
@@ -215,6 +237,26 @@ def export_direct(
         one = take(on, slice(0, 1)) if cfg.export.dynamic_batch else on
         sizes = checked_spans(feed, axes, points)
         steps = steps_over(model, one, example, names, axes, sizes, GraphAt(output, session, atol, rtol))
-        record_graph_steps(output, steps)
+    followed = _direct_output_axes(output, feed_for_graph(example, names), cfg, session)
+    record_graph_steps(output, steps)
     refuse_changed_layout(layout, model)  # after the last forward of the export
-    return {"path": str(output), "nodes": len(proto.graph.node), **check, "axis_steps": steps}
+    return {
+        "path": str(output),
+        "nodes": len(proto.graph.node),
+        **check,
+        "axis_steps": steps,
+        "output_axes": followed,
+    }
+
+
+def _direct_output_axes(
+    path: Path, feed: dict[str, Any], cfg: ExportSettings, session: Any
+) -> dict[str, dict[int, str]]:
+    """:func:`name_output_axes` on ``kiln export -o``'s file, as the pipeline's export runs it: output axes that
+    follow a dynamic input axis but were exported at a fixed size or under a symbol of the exporter's own (a
+    time-major output's steps, a 3-D U-Net's depth) are declared by that axis's name, probed on ``feed`` (the
+    example's rows), so the file says what an engine built from it takes. Nothing where no axis is dynamic."""
+    if not cfg.export.dynamic_batch and not cfg.signature.dynamic_axes:
+        return {}
+    axes = input_axes(list(feed), cfg.export.dynamic_batch, cfg.signature.dynamic_axes or {})
+    return name_output_axes(path, feed, axes, session)

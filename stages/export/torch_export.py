@@ -148,7 +148,7 @@ def _say_fallback_took(dynamo_s: float, torchscript_s: float) -> None:
     skip that attempt (below opset 18 only the TorchScript exporter runs), which may cost a minute on every export
     of the model (an LSTM with a dynamic length)."""
     log.warning(
-        "the TorchScript exporter exported the graph (%.1f s) after the dynamo exporter failed (%.1f s): "
+        "the TorchScript exporter exported the graph (%.1f s) after the dynamo exporter's failed attempt (%.1f s): "
         "export.opset: 17 exports with the TorchScript exporter directly, skipping those %.1f s",
         *(torchscript_s, dynamo_s, dynamo_s),
     )

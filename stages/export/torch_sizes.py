@@ -320,6 +320,9 @@ def _fails_at(
     tie = one_name_hint(feeds, axes, point, source) + _untied_hint(feeds[0], axes, point, source)
     fixed = None if tie else _fixed_axis(model, inputs, point, feeds, axes, listed)
     own = own_sizes(feeds[0], axes)
+    blamed = "" if fixed else _listed_at_fault(model, inputs, point, feeds[0], axes, listed)
+    if blamed:
+        return ModelError(message, hint=tie + blamed)
     sizes = _sizes_hint(
         point, own, listed, direct, *_uncut_if_cut(model, inputs, point, feeds, axes, direct), fixed=bool(fixed)
     )
@@ -330,6 +333,46 @@ def _fails_at(
     if offset is not None:
         return _offset_tie_error(message, label, *offset, own)
     return _fixed_axis_error(message, label, own[label], tried, feeds[0], axes, source, sizes)
+
+
+def _listed_at_fault(
+    model: nn.Module, like: Inputs, point: Mapping[str, int], feed: Feed, axes: Axes, listed: Mapping[str, list[int]]
+) -> str:
+    """The fix where ``point`` holds both a size Kiln made by cutting the rows of ``feed`` and one ``signature.shapes``
+    lists (``listed``), and PyTorch still fails with the cut axes at the rows' own sizes: the listed size is the
+    cause, not the cutting (a position table shorter than a listed length). Each listed size is named with the
+    nearest one the model runs at, probed from the rows' own size as ``kiln build`` probes its ranges; empty where
+    the point holds no such pair or the model runs once the cut axes are whole."""
+    own = own_sizes(feed, axes)
+    cut = {k: own[k] for k, v in point.items() if k in own and v < own[k] and v not in listed.get(k, ())}
+    given = {k: v for k, v in point.items() if k in own and v in listed.get(k, ()) and v != own[k]}
+    row = {k: v[:1] for k, v in feed.items()}
+    if not cut or not given or not _why_not_at(model, row, like, axes)({**point, **cut}):
+        return ""
+    whole = {**point, **cut, **{k: own[k] for k in given}}
+    said = []
+    for label, size in given.items():
+        near = _nearest_running(runs_at(model, row, like, axes, whole, label), own[label], size)
+        edge = "largest" if size > own[label] else "smallest"
+        said.append(f"{label}={size}" + (f" (the {edge} size it runs at there is {near})" if near else ""))
+    return (
+        f"signature.shapes lists {', '.join(said)}, where the model fails with the other axes at the data's own "
+        "sizes: list there only sizes the model takes, or remove that axis from signature.dynamic_axes if it takes "
+        "one size"
+    )
+
+
+def _nearest_running(runs: Callable[[int], bool], own: int, size: int) -> int | None:
+    """The size nearest ``size`` on the way from ``own`` (the rows' own, which the model runs at) that ``runs``, by
+    bisection, as sizes a model takes up to a largest (a position table) or from a smallest (a kernel) run; None
+    where it does not run at ``own`` either."""
+    if not runs(own):
+        return None
+    good, bad = own, size  # runs at good, fails at bad
+    while abs(bad - good) > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if runs(mid) else (good, mid)
+    return good
 
 
 def _fixed_axis(

@@ -71,6 +71,7 @@ def precision_direct(
     if calibration is not None:
         data = read_feed(calibration, inputs, "the model", batched=True)
         _refuse_outside_index(graph, data, calibration, src)
+        _refuse_tied_mismatch(inputs, data, calibration)
         source = f"{calibration} ({len(next(iter(data.values())))} rows)"
     else:
         data = _random(inputs, cfg, index_ranges(graph))
@@ -246,6 +247,25 @@ def _refuse_outside_index(graph: Any, data: dict[str, np.ndarray], calibration: 
     why = outside_index(graph, data, src.name)
     if why is not None:
         raise InputFileError(f"--calibration {calibration}: {why}", hint=INDEX_HINT)
+
+
+def _refuse_tied_mismatch(inputs: list[TensorSpec], data: dict[str, np.ndarray], calibration: Path) -> None:
+    """Calibration arrays at one size on each axis the graph names alike (:func:`kiln.core.shapes.graph_axes`): the
+    graph takes such axes at one size, so ONNX Runtime would stop mid-calibration with a traceback."""
+    seen: dict[str, tuple[str, int]] = {}  # axis name -> (input, size) first seen
+    for name, axes in graph_axes(inputs).items():
+        for axis, dim in axes.items():
+            size = int(data[name].shape[axis])
+            first, had = seen.setdefault(dim, (name, size))
+            if had != size:
+                which = (
+                    f"input '{name}' differs on its axes" if first == name else f"inputs '{first}' and '{name}' differ"
+                )
+                raise InputFileError(
+                    f"--calibration {calibration}: {which} on axis {dim} ({had} against {size}); the model "
+                    "takes them at one size",
+                    hint=f"give every array of {calibration} one size on axis {dim} (pad or cut them to match)",
+                )
 
 
 def _random(inputs: list[TensorSpec], cfg: PrecisionSettings, ids: dict[str, IntRange]) -> dict[str, np.ndarray]:
