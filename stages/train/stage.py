@@ -6,6 +6,7 @@ writes the weights into the stage's folder; otherwise it trains in this process.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 import logging
@@ -89,16 +90,18 @@ def train_to(
     device = resolve_device(config.train, env.local_rank if env.enabled else None)
     model = build_seeded(config)
     probe = min(2, config.train.batch_size)  # a model of one sample a call (a graph as a batch of one) trains at 1
+    probed = probe_copy(model)  # the checks' forward passes leave the model to train as it was built
     if data.train_y is None:  # labels left among the inputs are the cause to name first, with their own fix
-        check_model_fits_data(model, data, config.model.name, None, config.signature.logits_output, probe)
+        check_model_fits_data(probed, data, config.model.name, None, config.signature.logits_output, probe)
         raise ConfigError(
             f"dataset '{data.name}' has no labels (train_y is None): training needs them",
             hint="return train_y/val_y from the data function, set train.enabled: false, or give model.checkpoint",
         )
     with said_warnings(logging.getLogger("kiln.train")) as data_warnings:
         task = task_for(data, config.train.loss, config.signature.logits_output)
-    check_model_fits_data(model, data, config.model.name, task, config.signature.logits_output, probe)
+    check_model_fits_data(probed, data, config.model.name, task, config.signature.logits_output, probe)
     check_axes_name_inputs(model, data.train_x, config.signature.dynamic_axes)
+    del probed
     with process_group(env, config.train.distributed, device):
         result = train(
             model,
@@ -331,6 +334,28 @@ def _refuse_labels_in_inputs(model: nn.Module, x: Any, outputs: dict[str, torch.
             hint=f"keep {label} out of the data's inputs (x): return the labels as y (train_y/val_y), from which "
             "training computes the loss (train.loss); or return only per-sample outputs from forward",
         )
+
+
+# Models of more parameter bytes than this are probed themselves: a copy would double the memory training starts with
+PROBE_COPY_BYTES = 2 << 30
+
+
+def probe_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` for the checks' forward passes before training (:func:`check_model_fits_data`), so that a
+    model whose first call changes it (a paper's data-aware initialization, NODE's trees set from their first batch)
+    trains from its first training batch, not from the checks' two rows. ``model`` itself where a copy would not do:
+    lazy modules, whose first call makes the parameters the optimizer needs (from the shapes alone), a model too
+    large to hold twice (:data:`PROBE_COPY_BYTES`), or one that cannot be copied."""
+    params = list(model.parameters())
+    if any(nn.parameter.is_lazy(p) for p in params):
+        return model
+    if sum(p.numel() * p.element_size() for p in params) > PROBE_COPY_BYTES:
+        return model
+    try:
+        return copy.deepcopy(model)
+    except Exception as exc:  # noqa: BLE001 - a module deepcopy refuses (a handle to a file): probed itself
+        logging.getLogger("kiln.train").debug("model not copied for the checks: %s", first_line(str(exc)))
+        return model
 
 
 def check_model_fits_data(
