@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import Field
 
 from kiln.core.env import environment_subset
-from kiln.core.errors import InputFileError
+from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.records import IntRange
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageSettings, Summary
@@ -124,6 +124,19 @@ def _env(cfg: ExportSettings) -> dict[str, Any]:
 
 # Export builds the model from kiln.models (the zoo Transformer has an export-only attention path) and loads it
 # through model_io.
+def check_dynamic_batch(settings: ExportSettings) -> None:
+    """The stage's quick check (run before the first stage does work, training included): the pipeline exports with
+    a dynamic batch, since it checks and times the engines at every size of ``signature.batch_sizes``; a graph fixed
+    at one batch is ``kiln export -o``'s alone. A run from ``model.onnx`` takes the file's batch as it is."""
+    if not settings.export.dynamic_batch and not settings.model.onnx:
+        raise ConfigError(
+            "export.dynamic_batch: false cannot run through the pipeline, which checks and times "
+            "the engines at every size in signature.batch_sizes",
+            hint="keep export.dynamic_batch: true; for a fixed-batch file use `kiln export "
+            "--checkpoint W.safetensors -o model.onnx --set export.dynamic_batch=false`",
+        )
+
+
 STAGE = Stage(
     "export",
     "kiln.stages.export.stage:run",
@@ -135,5 +148,9 @@ STAGE = Stage(
     "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity (or model.onnx, checked)",
     data=("dataset", "onnx"),
     # a model.onnx that is not FP32; signature.shapes naming axes signature.dynamic_axes does not declare
-    checks=("kiln.stages.precision.audit:check_model_onnx", "kiln.core.signature:check_declared_shapes"),
+    checks=(
+        "kiln.stages.precision.audit:check_model_onnx",
+        "kiln.core.signature:check_declared_shapes",
+        "kiln.stages.export.declaration:check_dynamic_batch",
+    ),
 )

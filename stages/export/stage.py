@@ -14,7 +14,7 @@ from typing import Any
 
 from kiln.core.artifacts import ensure_writable
 from kiln.core.data import feed_for_graph, fixed_columns, integer_ranges, rows, take
-from kiln.core.errors import ConfigError, KilnError
+from kiln.core.errors import KilnError
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, refuse_random_graph
 from kiln.core.shapes import graph_axes
 from kiln.core.stage import StageContext
@@ -29,7 +29,14 @@ from kiln.models.model_io import (
 )
 from kiln.models.registry import build_model
 from kiln.stages.export.batch_axes import tie_batch_axes
-from kiln.stages.export.declaration import AXIS_STEPS, DYNAMIC_SIZES, INT_RANGES, ExportSettings, ExportSummary
+from kiln.stages.export.declaration import (
+    AXIS_STEPS,
+    DYNAMIC_SIZES,
+    INT_RANGES,
+    ExportSettings,
+    ExportSummary,
+    check_dynamic_batch,
+)
 from kiln.stages.export.input_specs import direct_example, example_source, parse_input_shapes
 from kiln.stages.export.model_checks import refuse_nothing_finite, warn_wide_inputs
 from kiln.stages.export.onnx_file import refuse_other_output_names, refuse_outside_index, take_onnx
@@ -111,14 +118,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
         random = on_random_inputs(ctx.config.model, ctx.config.data)  # sizes drawn, not the data's
         sizes = {} if random else _taken_sizes(ctx, ctx.out / "model.onnx", feed)
         return summary.model_copy(update={"output_axes": followed, "dynamic_sizes": sizes})
-    if not cfg.dynamic_batch:
-        # A static graph is fixed at the export example's batch; parity, build and validate all need others.
-        raise ConfigError(
-            "export.dynamic_batch: false cannot run through the pipeline, which checks and times "
-            "the engines at every size in signature.batch_sizes",
-            hint="keep export.dynamic_batch: true; for a fixed-batch file use `kiln export "
-            "--checkpoint W.safetensors -o model.onnx --set export.dynamic_batch=false`",
-        )
+    check_dynamic_batch(ctx.config)  # checked before training too; here for a stage run on its own
     model = load_trained(ctx.inputs["train"], ctx.config.model)
     data = ctx.dataset()
     path = ctx.out / "model.onnx"

@@ -629,6 +629,16 @@ def test_a_metric_that_cannot_score_fails_the_run_before_training(
         assert f"{tmp_path / 'early_metric.py'}:1" in str(result.error)  # the user's function, not Kiln's call
 
 
+def test_a_fixed_batch_export_fails_the_run_before_training(tmp_path: Path) -> None:
+    """export.dynamic_batch: false cannot run through the pipeline: the export stage's check says so before the
+    train stage does any work, not after training."""
+    cfg = config_from_dict(tiny_config_dict(**{"export.dynamic_batch": False}))
+    result = Runner(cfg, tmp_path / "wd", STAGES).run()
+    assert statuses(result)["train"] == "failed", result.error
+    assert "export.dynamic_batch: false cannot run through the pipeline" in str(result.error)
+    assert not (tmp_path / "wd" / "train").exists()
+
+
 def test_shapes_for_an_axis_no_dynamic_axes_declare_fail_the_run_before_training(tmp_path: Path) -> None:
     """signature.shapes keyed by an axis signature.dynamic_axes does not declare: the export stage's check says so
     before the train stage does any work, not after the export."""

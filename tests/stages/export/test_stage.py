@@ -52,7 +52,7 @@ def test_static_batch_in_the_pipeline_is_a_config_error(tmp_path: Path) -> None:
     cfg = config_from_dict(tiny_config_dict(**{"export.dynamic_batch": False}))
     result, _ = run_pipeline(cfg, tmp_path, stop="export")
     assert isinstance(result.error, ConfigError) and "export.dynamic_batch" in result.error.message
-    assert [r.status for r in result.records] == ["ran", "failed"]
+    assert [r.status for r in result.records][0] == "failed"  # the export stage's check, before training
 
 
 @pytest.mark.parametrize("opset", [13, 17, 18])
