@@ -53,9 +53,41 @@ def direct_example(cfg: ExportSettings, model: nn.Module, specs: list[TensorSpec
     except Exception as exc:  # the model rejects them: say so, not "an op ONNX cannot express" or a traceback
         reason = first_line(exc)
         given = [s.name for s in specs or []]
-        hint = (specs and _names_fix(model, given)) or input_shape_hint(model, random=bool(specs), given=given)
+        hint = (specs and (_names_fix(model, given) or _ids_fix(model, specs, example))) or input_shape_hint(
+            model, random=bool(specs), given=given
+        )
         raise ConfigError(f"model '{cfg.model.name}' rejects {what}: {reason}", hint=hint) from None
     return example
+
+
+def _ids_fix(model: nn.Module, specs: list[TensorSpec], example: Inputs) -> str | None:
+    """The fix where float inputs ``--input-shape`` gave (no ``:int64``) are ids the model looks up (an embedding's
+    table rows): the model runs once they are int64 zeros, and each of them is needed so. None otherwise."""
+    floats = [s.name for s in specs if s.dtype.startswith("float")]
+    if not floats or not isinstance(example, dict):
+        return None
+
+    def runs(as_ids: list[str]) -> bool:
+        x = {k: torch.zeros_like(v, dtype=torch.int64) if k in as_ids else v for k, v in example.items()}
+        try:
+            with torch.no_grad():
+                call(model, x)
+        except Exception:  # noqa: BLE001 - any failure is a no
+            return False
+        return True
+
+    if not runs(floats):
+        return None
+    ids = [n for n in floats if not runs([m for m in floats if m != n])] or floats
+    shown = " ".join(f"--input-shape {n}={_flag_dims(s)}:int64" for s in specs for n in ids if s.name == n)
+    are = "are" if len(ids) > 1 else "is"
+    return f"{', '.join(ids)} {are} ids the model looks up (it runs once they are int64): {shown}"
+
+
+def _flag_dims(spec: TensorSpec) -> str:
+    """A spec's shape without the batch axis, as ``--input-shape`` writes it (``()`` for one value per sample)."""
+    dims = [str(d) for d in spec.shape[1:]]
+    return ",".join(dims) if dims else "()"
 
 
 def _names_fix(model: nn.Module, given: list[str]) -> str | None:

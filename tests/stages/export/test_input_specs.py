@@ -93,3 +93,27 @@ def test_the_suggested_inputs_are_the_given_and_the_required_ones() -> None:
     assert "--input-shape mask=DIMS --input-shape x=DIMS (e.g." in hint and "labels" not in hint
     hint = input_shape_hint(Masked(), random=True, given=["input"])
     assert "--input-shape x=DIMS (e.g." in hint and "mask" not in hint
+
+
+class Lookup(nn.Module):
+    """A numeric input beside a categorical id of one value per sample (a recommender's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(7, 4), nn.Linear(10, 1)
+
+    def forward(self, num: torch.Tensor, site: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([num, self.emb(site)], dim=1))
+
+
+def lookup() -> nn.Module:
+    return Lookup()
+
+
+def test_float_ids_given_to_an_embedding_are_told_to_be_int64(tmp_path: Path) -> None:
+    """``--input-shape site=()`` makes float values, which an embedding refuses: the fix names site as ids, with
+    its flag in int64, not "the values may be wrong"."""
+    args = ["export", "--model", f"{HERE}:lookup", "--input-shape", "num=6", "--input-shape", "site=()"]
+    result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "m.onnx")])
+    one_error(result, "rejects the inputs --input-shape gives", "site is ids the model looks up", "site=():int64")
+    assert "num=6:int64" not in result.output
