@@ -91,13 +91,22 @@ def excluded_nodes(model: onnx.ModelProto, cfg: CalibrationConfig, extra: Iterab
     """Nodes kept in float: configured names, configured op types, first/last layers, the layers that write the
     outputs (``keep_output_layers``), and fallback's picks. An
     excluded op type outside ``op_types`` adds no node: it is never quantized, so nothing is kept for it."""
-    names = set(cfg.exclude_nodes) | set(extra)
-    names |= {n.name for n in model.graph.node if n.op_type in cfg.exclude_op_types and n.op_type in cfg.op_types}
+    return sorted(kept_by(model, cfg, extra))
+
+
+def kept_by(model: onnx.ModelProto, cfg: CalibrationConfig, extra: Iterable[str] = ()) -> dict[str, str]:
+    """Each node :func:`excluded_nodes` keeps in float, with the setting that keeps it (the first that names it;
+    ``extra``: the precision fallback's picks), so that a graph left all float can say which setting did it."""
+    why = dict.fromkeys(cfg.exclude_nodes, "calibration.exclude_nodes")
+    types = (n.name for n in model.graph.node if n.op_type in cfg.exclude_op_types and n.op_type in cfg.op_types)
+    why |= {n: "calibration.exclude_op_types" for n in types if n not in why}
     if cfg.exclude_first_last:
-        names |= set(first_last_compute(model))
+        why |= {n: "calibration.exclude_first_last" for n in first_last_compute(model) if n not in why}
     if cfg.keep_output_layers != "off":
-        names |= last_compute(model, scores_only=cfg.keep_output_layers == "auto")
-    return sorted(names)
+        last = last_compute(model, scores_only=cfg.keep_output_layers == "auto")
+        setting = f"calibration.keep_output_layers: {cfg.keep_output_layers}, the last layer before an output"
+        why |= {n: setting for n in last if n not in why}
+    return why | {n: "the precision fallback" for n in extra if n not in why}
 
 
 def check_exclusions(model: onnx.ModelProto, cfg: CalibrationConfig) -> None:
@@ -511,7 +520,8 @@ def quantize_int8_dynamic(
 
     model = onnx.load(str(model_path), load_external_data=False)
     ops = quantizable_op_types(cfg)
-    exclude = set(excluded_nodes(model, cfg, extra_exclude))
+    kept = kept_by(model, cfg, extra_exclude)
+    exclude = set(kept)
     seven_bits = resolve_reduce_range(cfg.reduce_range)
     # quantize_dynamic first rewrites every Gemm into "<name>_MatMul" + "<name>_Add" and quantizes that MatMul,
     # so a Gemm kept in float (by name or because Gemm is not a quantized op type) is excluded under that name.
@@ -546,7 +556,7 @@ def quantize_int8_dynamic(
         _SAID_FLOAT.add(model_path)  # once per graph: the precision fallback quantizes it again each round
         log.warning(
             "int8 dynamic: no MatMul or LSTM was quantized: %s; the ONNX Runtime CPU INT8 graph computes in float%s",
-            _why_float(model, exclude, ops),
+            _why_float(model, kept, ops),
             f" ({tables} embedding tables stored in int8)" if tables else "",
         )
     log.info(
@@ -597,13 +607,13 @@ def sort_with_subgraphs(model: onnx.ModelProto) -> bool:
 _SAID_FLOAT: set[Path] = set()
 
 
-def _why_float(model: onnx.ModelProto, exclude: set[str], ops: list[str]) -> str:
+def _why_float(model: onnx.ModelProto, kept: dict[str, str], ops: list[str]) -> str:
     """Why dynamic quantization left every MatMul and LSTM float, with what to do: it quantizes only a MatMul or
     Gemm whose second input is a stored weight, and LSTMs, none of a graph whose compute is elsewhere (a GRU, a
-    convolution); ``exclude`` keeps some in float (a Gemm by its rewritten ``<name>_MatMul`` where Gemm is not among
-    ``ops``, the quantized op types); an exported graph that reaches its weights through Transpose or Mul nodes has
-    none until constant folding (``kiln optimize``, which the pipeline runs before this stage) makes them stored
-    weights."""
+    convolution, an Einsum: named too beside weighted layers kept in float); ``kept`` keeps some in float, each by
+    the setting named (a Gemm also where Gemm is not among ``ops``, the quantized op types); an exported graph that
+    reaches its weights through Transpose or Mul nodes has none until constant folding (``kiln optimize``, which the
+    pipeline runs before this stage) makes them stored weights."""
     stored = {t.name for t in model.graph.initializer}
     layers = [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm")]
     if not layers:
@@ -628,12 +638,28 @@ def _why_float(model: onnx.ModelProto, exclude: set[str], ops: list[str]) -> str
             "which dynamic quantization leaves in float"
         )
     by_type = [n.name for n in weighted if n.op_type == "Gemm" and "Gemm" not in ops]
-    by_name = sorted(n.name for n in weighted if n.name not in by_type)
     said = [f"{len(by_type)} Gemm, and Gemm is not in calibration.op_types (add it there)"] if by_type else []
-    if by_name:
-        names = ", ".join(by_name[:4]) + (", ..." if len(by_name) > 4 else "")
-        said.append(f"{len(by_name)} by calibration.exclude_* or the precision fallback ({names})")
-    return f"its {len(weighted)} MatMul/Gemm layers with stored weights are all kept in float: {'; '.join(said)}"
+    by_setting: dict[str, list[str]] = {}
+    for n in weighted:
+        if n.name not in by_type:
+            by_setting.setdefault(kept.get(n.name, "ONNX Runtime's quantizer"), []).append(n.name)
+    for setting, names in by_setting.items():
+        listed = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+        said.append(f"{len(names)} by {setting} ({listed})")
+    said_all = f"its {len(weighted)} MatMul/Gemm layers with stored weights are all kept in float: {'; '.join(said)}"
+    return said_all + _float_compute(model)
+
+
+def _float_compute(model: onnx.ModelProto) -> str:
+    """Where a graph holds compute that dynamic quantization leaves in float (:data:`FLOAT_COMPUTE` but Conv, which
+    :func:`_static_advice` covers: an Einsum, a GRU), that it does, with how many nodes: beside a few kept layers,
+    the reason the graph stays float."""
+    counts = Counter(n.op_type for n in model.graph.node if n.op_type in FLOAT_COMPUTE and n.op_type != "Conv")
+    if not counts:
+        return ""
+    nodes = ", ".join(f"{c} {op}" for op, c in sorted(counts.items()))
+    einsum = " (write an Einsum as torch.matmul or nn.Linear for an int8 MatMul)" if "Einsum" in counts else ""
+    return f"; the rest of its compute is in {nodes} nodes, which dynamic quantization leaves in float{einsum}"
 
 
 def _static_advice(model: onnx.ModelProto) -> str:

@@ -860,7 +860,10 @@ class Reference:
         or the held-out rows are all of one class."""
         at = self.outputs[-1 if self.score is None else self.score]
         logits = at.get(self.logits or "")
-        if logits is None or self.multi_label or self.binary_at is not None or logits.dtype.kind != "f":
+        if logits is None or self.multi_label or logits.dtype.kind != "f":
+            return
+        if self.binary_at is not None:
+            self._say_one_side(logits, self.binary_at)
             return
         axis = class_axis(logits.ndim)
         if logits.ndim < 2 or logits.shape[axis] < 2:
@@ -888,6 +891,27 @@ class Reference:
                 top.size,
                 "rows" if top.ndim == 1 else "positions",
             )
+
+    def _say_one_side(self, logits: np.ndarray, at: float) -> None:
+        """Warn where a binary classifier's one logit decides alike at every row (every value on one side of the
+        threshold ``at``): top-1 agreement then asks an engine only to keep the values on that side, which an engine
+        answering a constant does, and accuracy is the share of the majority class; the model is untrained or
+        predicts the prior. A metric that ranks the rows, or scores the rarer class, reads the rest."""
+        decisions = np.asarray(logits).reshape(-1) > at
+        if decisions.size < MIN_ONE_CLASS or not (decisions == decisions[0]).all():
+            return
+        log.warning(
+            "the reference decides %s at all %d rows of output '%s' (every value %s %g): top-1 agreement only asks an "
+            "engine to keep them on that side, which an engine answering a constant does; check that the model is "
+            "trained, or gate by a metric that reads the rest: validate.metric as your own 'module:function' that "
+            "ranks the rows (a ROC AUC of the logit), or multilabel_f1 (the positive class's F1, with [N, 1] 0/1 "
+            "targets)",
+            "positive" if decisions[0] else "negative",
+            decisions.size,
+            self.logits,
+            "above" if decisions[0] else "at or below",
+            at,
+        )
 
     def _say_padding_ties(self) -> None:
         """Warn once per output whose padding no axis name decides (:func:`kiln.core.labels.mask_of`): it is

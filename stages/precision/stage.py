@@ -282,8 +282,8 @@ def build_variants(
                         variants[precision]["unmade"] += f" ({shapes})"
                     mark_too_little(precision, variants[precision], root, largest, quantizable_op_types(ccfg))
                 if unmade:
-                    del variants[precision]
-                    raise NotMade(unmade, hint=f"{shapes}; else {hint}" if shapes else hint)
+                    fix = QUANTIZED_NOTHING_HINT if _quantized_nothing(variants.pop(precision)) else hint
+                    raise NotMade(unmade, hint=f"{shapes}; else {fix}" if shapes else fix)
             except KilnError as exc:  # one variant's failure must not take the others with it
                 failed[precision] = outside(root, exc)
                 if any(p != precision and p not in failed for p in (wanted if asked is None else asked)):
@@ -361,6 +361,21 @@ UNMADE_HINT = (
     "loosen validate.gates.per_precision for it if that accuracy is acceptable, raise precision.fallback.max_rounds, "
     "or drop it from precision.variants"
 )
+QUANTIZED_NOTHING_HINT = (
+    "no gate or fallback round decides it: the graph's compute is kept in float by the settings named above "
+    "(calibration.keep_output_layers: off, calibration.exclude_*) or lies in op types the quantizer leaves in float "
+    "(named above: rewrite them as MatMul/Conv layers, or add them to calibration.op_types if they can be "
+    "quantized); else drop it from precision.variants"
+)
+
+
+def _quantized_nothing(entry: dict[str, Any]) -> bool:
+    """Whether a variant was not made because calibration quantized nothing (its own graph's fallback record says
+    :data:`~kiln.stages.precision.variants.QUANTIZED_NOTHING`): no gate was missed, so the gates' fix is no fix."""
+    fallback = entry.get("fallback")
+    return fallback is not None and "passed" in fallback and quantized_nothing(fallback)
+
+
 FALLBACK_OFF_HINT = (
     "set precision.fallback.enabled: true (the accuracy-driven fallback keeps in float the nodes that miss the gates), "
     "loosen validate.gates.per_precision for it if that accuracy is acceptable, or drop it from precision.variants"

@@ -76,10 +76,13 @@ class Task:
         """What train.loss is given: the model's outputs as ``forward`` returns them, the contract of a function of
         the user's; but a loss taken from torch (:func:`from_torch`) reads one tensor, so beside a dict, ModelOutput
         or tuple it gets the output the built-in loss reads (:meth:`target`): a ``transformers`` model's logits."""
-        if isinstance(out, torch.Tensor) or self.user_loss is None or not from_torch(self.user_loss):
+        if self.user_loss is None or not from_torch(self.user_loss):
+            return out
+        if isinstance(out, torch.Tensor):
+            refuse_probabilities(self.user_loss, out, {})
             return out
         try:
-            return self.target(out)
+            target = self.target(out)
         except ConfigError:
             names = list(flatten_outputs(out))
             raise ConfigError(
@@ -87,6 +90,8 @@ class Task:
                 hint="set signature.logits_output to its name or index, or wrap the loss in a function of your own "
                 f"that picks it: {_wrapper(self.user_loss, _output_expr(out))}",
             ) from None
+        refuse_probabilities(self.user_loss, target, flatten_outputs(out))
+        return target
 
     def units(self, y: torch.Tensor) -> float | torch.Tensor:
         """What :meth:`loss` averages over: labelled rows or positions of class labels (a tensor on ``y``'s device),
@@ -155,6 +160,65 @@ def from_torch(fn: LossFn) -> bool:
     if isinstance(fn, types.BuiltinFunctionType):
         return module == "torch" or module.startswith(("torch._C", "torch.nn"))
     return inspect.isfunction(fn) and module == "torch.nn.functional"
+
+
+# grad_fn nodes that only reshape or copy their input: a sigmoid's output stays one through them
+_SHAPE_OPS = ("View", "UnsafeView", "Reshape", "Squeeze", "Unsqueeze", "Clone", "ToCopy", "Permute", "Transpose")
+
+
+def takes_logits(fn: LossFn) -> bool:
+    """Whether train.loss is one of torch's losses on logits, which applies the sigmoid itself:
+    ``binary_cross_entropy_with_logits`` (a function, bound or not) or ``nn.BCEWithLogitsLoss``."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return type(fn).__name__ == "BCEWithLogitsLoss" or getattr(fn, "__name__", "").endswith("_with_logits")
+
+
+def squashed_by(t: torch.Tensor) -> str | None:
+    """The squashing function that produced ``t`` (``Sigmoid``, ``Softmax``), read off its autograd node through
+    reshapes and copies; None where it is none (or no graph was recorded, under ``torch.no_grad``)."""
+    node = t.grad_fn
+    while node is not None:
+        name = type(node).__name__.rstrip("0123456789").removesuffix("Backward")
+        if name in ("Sigmoid", "Softmax"):
+            return name.lower()
+        if name not in _SHAPE_OPS or len(node.next_functions) < 1:
+            return None
+        node = node.next_functions[0][0]
+    return None
+
+
+def refuse_probabilities(fn: LossFn, read: torch.Tensor, outputs: Mapping[str, Any]) -> None:
+    """A torch loss on logits (:func:`takes_logits`) given a sigmoid's or softmax's output (:func:`squashed_by`)
+    applies a second sigmoid: it trains on values squeezed into [0.5, 0.73], its loss cannot fall below the
+    prior's, and nothing fails. An error naming the output that holds the logit (the one the probabilities are the
+    sigmoid of), before the first step is taken."""
+    squash = squashed_by(read) if takes_logits(fn) else None
+    if squash is None:
+        return
+    logit = next(
+        (
+            k
+            for k, v in outputs.items()
+            if isinstance(v, torch.Tensor)
+            and v is not read
+            and v.shape == read.shape
+            and v.is_floating_point()
+            and torch.allclose(torch.sigmoid(v.detach()).float(), read.detach().float(), atol=_eps(read))
+        ),
+        None,
+    )
+    where = f"output '{logit}' (the logit it is the sigmoid of)" if logit else "the output before the " + squash
+    raise ConfigError(
+        f"train.loss {loss_name(fn)} applies the sigmoid itself, but the output it reads is a {squash}'s (values in "
+        "[0, 1]): it would train on a sigmoid of probabilities and learn next to nothing",
+        hint=f"set signature.logits_output to {where}, or have the model return the logit (no final {squash})",
+    )
+
+
+def _eps(t: torch.Tensor) -> float:
+    """A few units of ``t``'s precision (bf16 under autocast): how far two roundings of one value may lie apart."""
+    return 4 * torch.finfo(t.dtype).eps
 
 
 def _wrapper(fn: LossFn, read: str) -> str:

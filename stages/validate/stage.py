@@ -692,10 +692,22 @@ def unscored(ref: Reference, data: DatasetSplits, named: str | int | None = None
     if ambiguous:
         named = f"signature.logits_output to the output that is the prediction ({' or '.join(fit)}), which mse scores"
         fix = f"set {named} by default; or {fix.removeprefix('set ')}"
+    if _one_logit_beside_binary(data, y, fit):
+        fix = (
+            "for a binary classifier's one logit, set num_classes=2 in DatasetSplits (docs/byom.md), which scores "
+            f"its decision's accuracy against them; else {fix.removeprefix('set ')}"
+        )
     return (
         f"no task metric scores the float targets {y.dtype}{list(y.shape)} ({_why_unscored(data, y, fit, ambiguous)}): "
         f"the engines are judged by their agreement with the reference alone; {fix}"
     )
+
+
+def _one_logit_beside_binary(data: DatasetSplits, y: np.ndarray, fit: list[str]) -> bool:
+    """Whether float targets ``y`` are 0/1, one per row (``[N, 1]`` or ``[N]``), without ``num_classes``, beside an
+    output with as many values (``fit``): a binary classifier's one logit, whose decision ``num_classes=2`` scores."""
+    one_per_row = y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)
+    return not data.num_classes and bool(fit) and one_per_row and y.size > 0 and bool(np.isin(y, (0, 1)).all())
 
 
 def _why_unscored(data: DatasetSplits, y: np.ndarray, fit: list[str], ambiguous: bool) -> str:

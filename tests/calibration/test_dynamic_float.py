@@ -76,7 +76,7 @@ def test_a_gemm_the_fallback_kept_is_named_as_kept(tmp_path: Path, caplog: pytes
     src = save_x_to_y(tmp_path / "gemm.onnx", [helper.make_node("Gemm", ["x", "w"], ["y"], name="head")], [w], ["n", 4])
     said = _said(tmp_path, src, CalibrationConfig(), caplog, "head")
     assert "its 1 MatMul/Gemm layers with stored weights are all kept in float" in said
-    assert "by calibration.exclude_* or the precision fallback (head)" in said and "0 MatMuls" not in said
+    assert "1 by the precision fallback (head)" in said and "0 MatMuls" not in said
     no_gemm = _said(tmp_path, src, CalibrationConfig(op_types=["MatMul"]), caplog)
     assert "1 Gemm, and Gemm is not in calibration.op_types" in no_gemm
 
@@ -85,3 +85,23 @@ def test_matmuls_of_two_activations_are_said_as_such(tmp_path: Path, caplog: pyt
     src = save_x_to_y(tmp_path / "qk.onnx", [helper.make_node("MatMul", ["x", "x"], ["y"])], [], [4, 4])
     said = _said(tmp_path, src, CalibrationConfig(), caplog)
     assert "multiply two activations" in said and "kiln optimize" not in said
+
+
+def test_a_head_kept_by_keep_output_layers_beside_einsum_compute_names_both(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A NODE-style tabular model: its compute in Einsum nodes, its one Gemm the head before a sigmoid, which
+    keep_output_layers keeps in float; neither calibration.exclude_* nor the fallback was set."""
+    rng = np.random.default_rng(0)
+    e = numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "e")
+    w = numpy_helper.from_array(rng.standard_normal((1, 8)).astype(np.float32), "w")
+    nodes = [
+        helper.make_node("Einsum", ["x", "e"], ["h"], equation="bi,ij->bj", name="trees"),
+        helper.make_node("Gemm", ["h", "w"], ["logit"], transB=1, name="head"),
+        helper.make_node("Sigmoid", ["logit"], ["y"], name="proba"),
+    ]
+    src = save_x_to_y(tmp_path / "node.onnx", nodes, [e, w], ["n", 4])
+    said = _said(tmp_path, src, CalibrationConfig(), caplog)
+    assert "1 by calibration.keep_output_layers: auto, the last layer before an output (head)" in said, said
+    assert "exclude_*" not in said and "fallback" not in said
+    assert "the rest of its compute is in 1 Einsum nodes, which dynamic quantization leaves in float" in said

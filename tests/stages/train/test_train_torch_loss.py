@@ -182,3 +182,39 @@ def test_what_is_torchs_own_loss() -> None:
     assert (
         not from_torch(scripted(own_bce)) and not from_torch(OwnLoss()) and not from_torch(functools.partial(own_bce))
     )
+
+
+class ClickHead(nn.Module):
+    """A binary head returning its logit and the sigmoid of it, as a CTR model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        logit = self.head(x)
+        return {"logit": logit, "proba": torch.sigmoid(logit)}
+
+
+def _clicks() -> DatasetSplits:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=g)
+    y = (x[:, :1] > 0).float()
+    return DatasetSplits(x[:48], y[:48], x[48:], y[48:], num_classes=2)
+
+
+@pytest.mark.parametrize("loss", [nn.functional.binary_cross_entropy_with_logits, nn.BCEWithLogitsLoss()])
+def test_a_loss_on_logits_given_a_sigmoids_output_names_the_logit(loss: Any) -> None:
+    """binary_cross_entropy_with_logits on a sigmoid's output trains on a second sigmoid and learns next to nothing:
+    an error naming the logit output, at the first step; the logit itself trains."""
+    data = _clicks()
+    with pytest.raises(ConfigError) as exc:
+        train(ClickHead(), data, CFG, task=Task("classification", "proba", loss))
+    assert "the output it reads is a sigmoid's" in exc.value.message
+    assert "signature.logits_output to output 'logit'" in (exc.value.hint or "")
+    result = train(ClickHead(), data, CFG, task=Task("classification", "logit", loss))
+    assert result.history[-1].loss < result.history[0].loss
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(ConfigError) as exc:  # bf16 outputs: the same logit
+        Task("classification", "proba", loss).loss(ClickHead()(data.train_x), data.train_y)
+    assert "signature.logits_output to output 'logit'" in (exc.value.hint or "")

@@ -61,3 +61,21 @@ def test_float_targets_no_metric_scores_are_warned_of_with_the_setting_that_scor
 def test_float_targets_a_metric_scores_are_no_warning() -> None:
     assert _unscored(DatasetSplits(X, Y, X, Y), _linear, ["logits"]) is None  # the default mse scores them
     assert _unscored(DatasetSplits(X, Y, X, Y), _gaussian, ["mean", "log_var"], "mean") is None  # named: mse
+
+
+def _click(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A binary classifier's one logit beside its sigmoid."""
+    logit = feed["input"][:, :1] * 2.0
+    return {"logit": logit, "proba": 1.0 / (1.0 + np.exp(-logit))}
+
+
+@pytest.mark.parametrize("per_row", [True, False], ids=["N-1", "N"])
+def test_0_1_targets_beside_one_logit_without_num_classes_are_told_num_classes_2(per_row: bool) -> None:
+    """Float 0/1 targets one per row beside a one-logit head, with no num_classes: the fix is num_classes=2, which
+    scores the logit's decision, not only a multi-label metric or mse."""
+    clicks = (X[:, :1] > 0).float()
+    y = clicks if per_row else clicks[:, 0]
+    said = _unscored(DatasetSplits(X, y, X, y), _click, ["logit", "proba"], "logit")
+    assert said is not None and "0/1 targets" in said, said
+    assert "set num_classes=2 in DatasetSplits" in said, said
+    assert "num_classes=2" not in (_unscored(DatasetSplits(X, Y, X, Y), _gaussian, ["mean", "log_var"]) or "")
