@@ -49,7 +49,7 @@ from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.loop import FORWARD_NAN, FORWARD_NAN_FIX, evaluate_loss_acc, first_batch_nonfinite, train
 from kiln.stages.train.metrics import EpochMetrics, TrainResult
 from kiln.stages.train.precision import resolve_device
-from kiln.stages.train.task import Task, check_task, scoring_task, task_for
+from kiln.stages.train.task import Task, check_task, label_free, scoring_task, task_for
 
 
 def build_seeded(config: TrainSettings) -> nn.Module:
@@ -91,15 +91,21 @@ def train_to(
     model = build_seeded(config)
     probe = min(2, config.train.batch_size)  # a model of one sample a call (a graph as a batch of one) trains at 1
     probed = probe_copy(model)  # the checks' forward passes leave the model to train as it was built
-    if data.train_y is None:  # labels left among the inputs are the cause to name first, with their own fix
+    if data.train_y is None and config.train.loss is None:  # labels left among the inputs: named first
         check_model_fits_data(probed, data, config.model.name, None, config.signature.logits_output, probe)
         raise ConfigError(
             f"dataset '{data.name}' has no labels (train_y is None): training needs them",
-            hint="return train_y/val_y from the data function, set train.enabled: false, or give model.checkpoint",
+            hint="return train_y/val_y from the data function, give train.loss, a loss of yours that reads no labels "
+            "(an in-batch contrastive one: it is called as loss(outputs, None)), set train.enabled: false, or give "
+            "model.checkpoint",
         )
     with said_warnings(logging.getLogger("kiln.train")) as data_warnings:
-        task = task_for(data, config.train.loss, config.signature.logits_output)
-    check_model_fits_data(probed, data, config.model.name, task, config.signature.logits_output, probe)
+        if data.train_y is None:
+            task, data = label_free(data, config.train.loss, config.signature.logits_output)
+        else:
+            task = task_for(data, config.train.loss, config.signature.logits_output)
+    checked = task if task.labels else None  # placeholder labels: nothing of theirs to check against the outputs
+    check_model_fits_data(probed, data, config.model.name, checked, config.signature.logits_output, probe)
     check_axes_name_inputs(model, data.train_x, config.signature.dynamic_axes)
     del probed
     with process_group(env, config.train.distributed, device):

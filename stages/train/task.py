@@ -10,6 +10,7 @@ built-in loss would read (:meth:`Task.target`). The loss is computed in FP32 on 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -28,7 +29,7 @@ from torch import nn
 
 from kiln.core import labels
 from kiln.core.compare import class_axis
-from kiln.core.data import DatasetSplits, tensors
+from kiln.core.data import DatasetSplits, rows, tensors
 from kiln.core.errors import ConfigError, KilnError, ModelError
 from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.text import first_line
@@ -45,6 +46,7 @@ class Task:
     logits_output: str | int | None = None
     user_loss: LossFn | None = None
     trains: bool = True  # False: it scores a model not trained here (scoring_task), which no loss optimizes
+    labels: bool = True  # False: the data has none, and train.loss is called as loss(outputs, None) (label_free)
 
     def target(self, out: Any) -> torch.Tensor:
         """The output the built-in loss (and accuracy) reads."""
@@ -62,7 +64,7 @@ class Task:
         """The mean loss over ``y``'s labelled rows or positions (``IGNORE_LABEL`` marks those without a label), or
         over the rows of float targets."""
         if self.user_loss is not None:
-            return self.user_loss(self.loss_input(out), y)
+            return self.user_loss(self.loss_input(out), y if self.labels else None)
         target = self.target(out)
         check_rows(target, len(y))
         if self.kind == "classification":
@@ -110,7 +112,7 @@ class Task:
         """Correctly classified rows or labelled positions, and how many were scored: accuracy's numerator and
         denominator (None: no classes to count). The count is its own, not :meth:`units`: a user loss averages
         over rows, but accuracy over labels per position counts positions."""
-        if y.is_floating_point():
+        if y.is_floating_point() or not self.labels:
             return None
         try:
             logits = self.target(out)
@@ -235,6 +237,19 @@ def task_for(data: DatasetSplits, loss: str | None, logits_output: str | int | N
         return Task(kind, logits_output)
     fn = resolve_callable(loss, {}, "train.loss")
     return Task(kind, logits_output, fn)
+
+
+def label_free(data: DatasetSplits, loss: str, logits_output: str | int | None) -> tuple[Task, DatasetSplits]:
+    """The task of a dataset without labels trained by ``train.loss`` alone (an in-batch contrastive loss, a
+    reconstruction's), and the data with a zero per row standing in for the labels, which the loader batches with the
+    inputs: the loss is called as ``loss(outputs, None)``, and no accuracy is measured."""
+    warn_label_inputs(data)
+    fn = resolve_callable(loss, {}, "train.loss")
+    placeholder = dataclasses.replace(
+        data, train_y=torch.zeros(rows(data.train_x)), val_y=torch.zeros(rows(data.val_x)), num_classes=0
+    )
+    log.info("train.loss %s trains on the inputs alone (no labels: it is called as loss(outputs, None))", loss)
+    return Task("regression", logits_output, fn, labels=False), placeholder
 
 
 def no_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
