@@ -30,7 +30,7 @@ def report_section(precision: Any) -> list[str]:
             for name, v in variants.items()
         ]
         out += [f"| {name} | **failed, not built** | {' | '.join('-' for _ in columns)} |" for name in precision.failed]
-        if not logits:
+        if not logits and judged(variants):
             out += ["", NO_LOGITS_NOTE]
         out += [line for name, v in variants.items() for line in _unmade(name, v)]
         for name, v in variants.items():
@@ -78,6 +78,17 @@ def class_logits(variants: dict[str, dict[str, Any]]) -> bool:
     """Whether the variants were judged by a top-1 agreement with the FP32 graph (an output is class logits, or every
     output is integers): some variant records one."""
     return _records(variants, "top1_agreement")
+
+
+# The figures a variant's check against the FP32 graph records (vs_fp32_text says them)
+FIGURES = ("top1_agreement", "cosine", "sample_cosine", "rel_err")
+
+
+def judged(variants: dict[str, dict[str, Any]]) -> bool:
+    """Whether some variant records a figure of its check against the FP32 graph (:data:`FIGURES`). Only then does
+    the absence of a top-1 agreement say that no output is class logits: where every variant but FP32 failed, none
+    records one whatever the outputs are."""
+    return any(_records(variants, key) for key in FIGURES)
 
 
 def _columns(variants: dict[str, dict[str, Any]], logits: bool) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
