@@ -203,10 +203,12 @@ def check_onnx(model: onnx.ModelProto | str | Path, what: str = "model") -> None
 
 def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto:
     """ONNX shape inference (types checked, data propagated) on a copy whose big initializers carry dims but no
-    data: fast, and it works for models over the 2 GB protobuf limit. Returns ``model`` with its value_info
-    replaced. ``strict`` (a gate: export, precision): recorded shapes and types are checked against what inference
-    finds, and a failure is a :class:`ModelError`. Not strict (graph passes, for which shapes are a help): recorded
-    shapes are dropped first (a pass may have made them stale), and a failure is a warning with ``model`` unchanged."""
+    data: fast, and it works for models over the 2 GB protobuf limit. Returns ``model`` itself, changed in place:
+    its value_info replaced, with the sizes ONNX names for a sequence's elements left unnamed
+    (:func:`_forget_sequence_symbols`). ``strict`` (a gate: export, precision): recorded shapes and types are
+    checked against what inference finds, and a failure is a :class:`ModelError`. Not strict (graph passes, for
+    which shapes are a help): recorded shapes are dropped first (a pass may have made them stale), and a failure is
+    a warning with ``model`` unchanged."""
     light, _ = light_model(model, keep_value_info=strict)
     try:
         inferred = onnx.shape_inference.infer_shapes(light, check_type=strict, data_prop=True)
@@ -223,7 +225,32 @@ def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto
     for out, found in zip(model.graph.output, inferred.graph.output):  # outputs declared without a type or shape
         if not out.type.HasField("tensor_type") or not out.type.tensor_type.HasField("shape"):
             out.type.CopyFrom(found.type)
+    _forget_sequence_symbols(model)
     return model
+
+
+def _forget_sequence_symbols(model: onnx.ModelProto) -> None:
+    """Clear, in every value's recorded shape, each size name that ONNX's inference gave the elements of a sequence
+    (the graph's inputs' own names kept). A sequence type holds one element shape, so elements of different sizes
+    (a SplitToSequence of a weight into [32, 64] rows, the q and kv of a cross-attention) share a name there, which
+    SequenceAt and the ops after it pass on; ONNX Runtime trusts equal names, reuses one buffer for both and fails.
+    An unnamed size claims nothing."""
+    graphs = list(_graphs(model.graph))
+    declared = {d.dim_param for v in model.graph.input for d in _tensor_dims(v.type)}
+    values = [v for g in graphs for v in (*g.value_info, *g.output)]
+    named = {d.dim_param for v in values if v.type.HasField("sequence_type") for d in _tensor_dims(v.type)}
+    unsound = named - declared - {""}
+    for value in values:
+        for dim in _tensor_dims(value.type):
+            if dim.dim_param in unsound:
+                dim.ClearField("dim_param")
+
+
+def _tensor_dims(t: onnx.TypeProto) -> list[Any]:
+    """The dims of a tensor type, or of the tensors a sequence (of sequences) of tensors holds; none for others."""
+    while t.HasField("sequence_type"):
+        t = t.sequence_type.elem_type
+    return list(t.tensor_type.shape.dim) if t.HasField("tensor_type") else []
 
 
 def random_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, list[str]]]:

@@ -117,7 +117,8 @@ def export_with_fallback(
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {error_reason(exc)}")
             cause = cause or known_cause(model, exc)
             if dynamo:
-                validation, refused = _in_distributions(exc), error_reason(exc) + _places(pinned)
+                validation, refused = _in_distributions(exc), _with_cause(error_reason(exc), _causal_mask_cause(exc))
+                refused += _places(pinned)
                 raised = _raised_at(exc)
                 took = time.perf_counter() - started
                 log.warning("dynamo exporter failed: %s (%.1f s); trying the TorchScript exporter", refused, took)
@@ -629,8 +630,43 @@ class Cause(NamedTuple):
 def known_cause(model: nn.Module, exc: BaseException) -> Cause | None:
     """The library setting ``model``'s export failure (``exc``) comes from, where it is one no exporter writes and
     another does: QAT's fake-quantize modules observing or fused (:func:`_qat_cause`), transformers' mixture-of-experts
-    layers computed by an implementation other than ``batched_mm`` (:func:`_experts_cause`); else None."""
-    return _qat_cause(model) or _experts_cause(model, exc)
+    layers computed by an implementation other than ``batched_mm`` (:func:`_experts_cause`), torch's transformer
+    stacks reading a mask's values to tell whether it is causal (:func:`_causal_mask_cause`); else None."""
+    return _qat_cause(model) or _experts_cause(model, exc) or _causal_mask_cause(exc)
+
+
+# The flag of each torch transformer stack that says its mask is causal, so that it does not read the mask's values
+_CAUSAL_FLAGS = {"TransformerDecoder": "tgt_is_causal", "TransformerEncoder": "is_causal"}
+
+
+def _causal_mask_cause(exc: BaseException) -> Cause | None:
+    """torch's ``nn.TransformerDecoder`` / ``nn.TransformerEncoder`` given a mask without its causal flag, where the
+    export failure (``exc``) is raised inside ``_detect_is_causal_mask``: it compares the mask's values with a causal
+    one, a branch on values the dynamo exporter cannot export (``Could not guard on data-dependent expression``).
+    With the flag set (``tgt_is_causal=True``, ``is_causal=True``) the stack trusts it and reads no values."""
+    check = torch.nn.modules.transformer._detect_is_causal_mask.__code__
+    for err in _chain(exc):
+        frames = list(_frames(err.__traceback__))
+        for caller, tb in zip(frames, frames[1:]):
+            if tb.tb_frame.f_code is check:
+                stack = type(caller.tb_frame.f_locals.get("self")).__name__
+                flag = _CAUSAL_FLAGS.get(stack, "tgt_is_causal (is_causal for an encoder)")
+                return Cause(
+                    f"torch's nn.{stack} reads the mask's values to tell whether it is causal, a branch on values no "
+                    "graph exports",
+                    f"pass {flag}=True with the causal mask: nn.{stack} then trusts the flag and reads no values, and "
+                    "the dynamo exporter exports the model",
+                )
+    return None
+
+
+def _with_cause(reason: str, cause: Cause | None) -> str:
+    """The dynamo exporter's failure ``reason`` with a known ``cause``'s words and fix put before its closing place
+    (``(in forward() at m.py:3)``, which later errors read as the line to change); ``reason`` where none is known."""
+    if cause is None:
+        return reason
+    head, place = re.match(r"(.*?)((?: \(in [\w<>]+\(\) at [^)]+\))?)$", reason, re.DOTALL).groups()  # type: ignore[union-attr]
+    return f"{head}: {cause.said}; {cause.fix}{place}"
 
 
 def _qat_cause(model: nn.Module) -> Cause | None:

@@ -172,16 +172,7 @@ def optimize_model(
     current = onnx.ModelProto()
     current.CopyFrom(model)  # shape inference refreshes value_info: leave the caller's model untouched
     current = infer_shapes(current, strict=False)
-    verifier = None
-    if cfg.verify:
-        try:
-            verifier = Verifier(current, cfg, data_sizes, int_ranges)
-        except Exception as exc:  # unverified rewrites must never ship silently: the user decides
-            why = short_reason(exc)
-            raise ModelError(
-                f"the optimizer's safety net cannot run the input model on random inputs ({why})",
-                hint=unrunnable_hint(current, why, data_sizes, by_shapes, int_ranges),
-            ) from None
+    verifier = _safety_net(current, cfg, data_sizes, int_ranges, by_shapes) if cfg.verify else None
     fast, spent = _fast(plan, current, cfg.rounds, verifier)
     if fast is not None:
         current, passes, rounds, checks = fast
@@ -200,8 +191,37 @@ def optimize_model(
         "seconds": round(time.perf_counter() - t_start, 3),
         "passes": passes,
     }
+    if verifier is not None and verifier.unrecorded:  # ship the graph as it was checked: ORT fails on those shapes
+        del current.graph.value_info[:]
     _set_record(current, [spec.name for spec, _ in plan], summary["rolled_back"])
     return current, summary
+
+
+def _safety_net(
+    model: onnx.ModelProto,
+    cfg: OptimizeConfig,
+    data_sizes: DataSizes | None,
+    int_ranges: IntRanges | None,
+    by_shapes: bool,
+) -> Verifier:
+    """The :class:`Verifier` of ``model`` (which carries ONNX's inferred shapes). Where ONNX Runtime fails on those
+    shapes but runs the graph without them, the net runs every graph without them (``unrecorded``): the inputs and
+    the sizes are not at fault then. Where the graph fails either way, a :class:`ModelError` names the settings that
+    change the random inputs (:func:`unrunnable_hint`)."""
+    try:
+        return Verifier(model, cfg, data_sizes, int_ranges)
+    except Exception:  # noqa: BLE001 - ORT's own error types; the run without the inferred shapes decides
+        pass
+    try:
+        verifier = Verifier(model, cfg, data_sizes, int_ranges, unrecorded=True)
+    except Exception as exc:  # unverified rewrites must never ship silently: the user decides
+        why = short_reason(exc)
+        raise ModelError(
+            f"the optimizer's safety net cannot run the input model on random inputs ({why})",
+            hint=unrunnable_hint(model, why, data_sizes, by_shapes, int_ranges),
+        ) from None
+    log.info("optimize: ONNX Runtime fails on the graph's inferred shapes but runs it without them; checking so")
+    return verifier
 
 
 # The key of an optimized graph's own metadata (``metadata_props``) that says, as JSON, which passes made it and

@@ -12,7 +12,8 @@ only output shapes and types are compared.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +165,19 @@ def _session(model: onnx.ModelProto) -> Any:
     return ort_session(model, options=session_options(optimization="none"))
 
 
+@contextmanager
+def _unrecorded(model: onnx.ModelProto, on: bool) -> Iterator[onnx.ModelProto]:
+    """``model`` without its recorded value_info while the block runs (``on``), put back after: ONNX Runtime trusts
+    recorded shapes, and some that ONNX infers are wrong where the graph runs without them."""
+    kept = list(model.graph.value_info) if on else []
+    if on:
+        del model.graph.value_info[:]
+    try:
+        yield model
+    finally:
+        model.graph.value_info.extend(kept)
+
+
 def _run(sess: Any, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
 
@@ -182,11 +196,15 @@ class Verifier:
         cfg: OptimizeConfig,
         data_sizes: DataSizes | None = None,
         int_ranges: IntRanges | None = None,
+        unrecorded: bool = False,
     ) -> None:
         """``data_sizes``: the sizes the export saw on each dynamic axis besides batch (``dynamic_sizes.json``);
-        ``int_ranges``: the values it saw in each integer input (``int_ranges.json``)."""
-        self.cfg = cfg
-        sess = _session(model)  # one session for both references
+        ``int_ranges``: the values it saw in each integer input (``int_ranges.json``); ``unrecorded``: ONNX Runtime
+        runs the model and every candidate without their recorded value_info (where it fails on ONNX's inferred
+        shapes but runs the graph without them)."""
+        self.cfg, self.unrecorded = cfg, unrecorded
+        with _unrecorded(model, unrecorded):
+            sess = _session(model)  # one session for both references
         first, reference = self._first_feed(model, sess, data_sizes, int_ranges)
         self.feeds, self.references = [first], [reference]
         # batch 1 as well, where the model takes it (a dynamic axis that must stay >= 2 is not a batch), with every
@@ -260,7 +278,8 @@ class Verifier:
                 return Verdict(False, float("inf"), f"not a valid ONNX graph: {short_reason(exc)}")
         atol, rtol = (float("inf"), float("inf")) if self.random else (self.cfg.atol, self.cfg.rtol)
         try:
-            sess = _session(candidate)
+            with _unrecorded(candidate, self.unrecorded):
+                sess = _session(candidate)
             outputs = [_run(sess, feed) for feed in self.feeds]
         except Exception as exc:  # ORT rejects the graph: the pass broke it
             return Verdict(False, float("inf"), f"ONNX Runtime cannot run it: {short_reason(exc)}")
