@@ -188,10 +188,17 @@ def _fell_back(dynamo: str) -> str:
 
 def _dynamo_hint(dynamo: str) -> str:
     """The start of a size check's fix where the dynamo exporter failed first at a line of the user's code that its
-    error names (``dynamo``): change that code, so its graph is exported; empty otherwise."""
+    error names (``dynamo``): change that code, so its graph is exported (where the failure is torch's transformer
+    stack reading a mask's values, pass its causal flag there); empty otherwise."""
     named = re.search(r"\(in ([\w<>]+\(\) at [^)]+)\)$", dynamo)
     if named is None:
         return ""
+    flag = re.search(r"pass ((?:tgt_)?is_causal)=True with the causal mask", dynamo)
+    if flag is not None:  # torch's transformer stack reading the mask's values: its flag, not the user's line
+        return (
+            f"pass {flag.group(1)}=True with the causal mask (in {named.group(1)}), so that the dynamo exporter "
+            "exports the model (its graph keeps sizes symbolic); else "
+        )
     return (
         f"change the code the dynamo exporter failed on, in {named.group(1)}, so that it exports the model (its "
         "graph keeps sizes symbolic, where the TorchScript exporter's trace may fix them); else "
