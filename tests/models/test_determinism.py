@@ -87,7 +87,8 @@ class _LabelDrop(torch.nn.Module):
 
 
 def test_a_label_drop_that_did_not_fire_is_named_with_the_line_that_drew() -> None:
-    """Before: only noise at a zero scale was offered as the cause ("once training moves it"), with no line."""
+    """A random mask that did not fire on the rows tried (a label drop) is named as a cause beside noise at a zero
+    scale, with the user's line that drew."""
     with pytest.raises(ModelError, match="though its outputs did not move yet") as err:
         refuse_random(_LabelDrop().eval(), torch.tensor([1, 2, 3]), generators=True)
     lines = Path(__file__).read_text().splitlines()

@@ -14,7 +14,8 @@ from kiln.models.model_io import read_state_dict
 
 
 def test_a_checkpoint_with_argparse_args_names_the_class_its_keys_and_how_to_save_the_weights(tmp_path: Path) -> None:
-    """Before: the error quoted torch's advice to load with weights_only=False and dropped the refused class."""
+    """The error names the class a weights-only load refused and the checkpoint's keys, not torch's advice to load
+    with weights_only=False; the fix saves the weights alone."""
     sd = nn.Linear(3, 2).state_dict()
     path = tmp_path / "ckpt.pt"
     torch.save({"model": sd, "ema": sd, "opt": {"lr": 0.1}, "args": argparse.Namespace(depth=2)}, path)

@@ -37,8 +37,8 @@ def test_a_reference_worse_than_the_targets_mean_is_warned_of() -> None:
 
 @pytest.mark.parametrize("name", ["mse", "rmse"])
 def test_a_reference_just_worse_than_the_mean_reads_as_worse(name: str) -> None:
-    """An all-zero model's MSE is the targets' mean square, just over their variance. Before: "the reference's mse
-    (1) exceeds the targets' variance (1)", both rounded to 4 digits."""
+    """An all-zero model's MSE is the targets' mean square, just over their variance: the two numbers are shown
+    with digits enough to differ, and R^2 itself."""
     from kiln.stages.accuracy.metrics import worse_than_mean_note
 
     y = np.random.default_rng(0).normal(size=100_000)

@@ -37,8 +37,8 @@ def _no_stored_weight(path: Path) -> Path:
 
 
 def test_an_ort_cpu_graph_that_quantized_nothing_is_not_said_to_fail_its_gates(tmp_path: Path) -> None:
-    """Before: "int8 (onnxruntime-cpu graph) failed its gates: no fallback round passed ... (no compute node is left
-    in int8 once the gates pass)", of a graph in which no node was ever in int8."""
+    """A graph whose dynamic calibration quantized no compute node is no int8 graph of its own: said so, not said to
+    have failed its gates."""
     x = np.random.default_rng(1).standard_normal((128, 16)).astype(np.float32)
     np.savez(tmp_path / "calib.npz", x=x)
     out = invoke(
