@@ -355,7 +355,7 @@ class EngineMetadata(Record):
         range; within it, the steps of its graph (:attr:`axis_steps`) and the sizes next to it that they take.
         None where the engine takes the size. An axis with steps and no range (an engine built from an exported file
         given no sizes keeps the steps its export recorded) is held to its steps alone."""
-        low, high = self.axis_ranges.get(dim, (1, size + max(self.axis_steps.get(dim, [1])[0], 1)))
+        low, high = self.axis_ranges.get(dim, (0, size + max(self.axis_steps.get(dim, [1])[0], 1)))
         pattern = self.axis_steps.get(dim, [1, 0])
         where = f"input '{name}' axis {axis} ({dim}) is {size}"
         if not low <= size <= high:
