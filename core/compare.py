@@ -484,6 +484,8 @@ def class_agreement(
     axis = class_axis(np.ndim(ref))
     if np.ndim(ref) < 3 or np.asarray(ref).dtype.kind != "f" or ref.shape[axis] < 2:
         return None
+    if not _dominated(np.asarray(ref), axis, where):  # the reference's argmax alone: no ties' noise measured
+        return None
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     with np.errstate(invalid="ignore"):
         rows = _agreeing(r, g, rel_tie, where, set_aside(r, g))
@@ -499,6 +501,16 @@ def class_agreement(
         return None
     worst_class = min(recall, key=lambda c: recall[c])
     return ClassAgreement(share, worst_class, recall[worst_class])
+
+
+def _dominated(ref: np.ndarray, axis: int, where: np.ndarray | None) -> bool:
+    """Whether one class is the reference's top class at more than :data:`DOMINANT_CLASS` of the positions counted:
+    checked before :func:`class_agreement` measures each class's agreement, whose tie noise (a median over every
+    class of every position) a language model's logits would pay at every comparison for nothing."""
+    top = np.moveaxis(ref, axis, -1).reshape(-1, ref.shape[axis]).argmax(-1)
+    if where is not None and where.size == len(top):
+        top = top[where.reshape(-1)]
+    return bool(len(top)) and np.bincount(top).max() / len(top) > DOMINANT_CLASS
 
 
 def _two_classes(
