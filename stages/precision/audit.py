@@ -731,7 +731,9 @@ def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
     level = said.level
     said.setLevel(logging.ERROR)
     try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+        # by way of onnxruntime.transformers, which imports the same module as ONNX Runtime's own fusions do:
+        # onnxruntime.tools' package imports torch where it is installed (seconds, for a file's audit)
+        from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInference
 
         bare = onnx.ModelProto()
         bare.CopyFrom(model)

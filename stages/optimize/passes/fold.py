@@ -113,7 +113,7 @@ def static_reshapes(graph: gs.Graph) -> int:
             target = static_reshape_target(node)  # the shape's own entries may still say it (HF attention)
             if target is not None:
                 node.inputs[1] = new_const(graph, node.outputs[0].name + "_shape", target)
-                node.attrs["allowzero"] = 0
+                copy_zeros(node)
                 n += 1
             continue
         dyn = [i for i, d in enumerate(out) if not isinstance(d, int) or d < 0]
@@ -124,9 +124,15 @@ def static_reshapes(graph: gs.Graph) -> int:
             if src is not None and i < len(src) and isinstance(out[i], str) and src[i] == out[i]:
                 shape[i] = 0
         node.inputs[1] = new_const(graph, node.outputs[0].name + "_shape", np.array(shape, dtype=np.int64))
-        node.attrs["allowzero"] = 0
+        copy_zeros(node)
         n += 1
     return n
+
+
+def copy_zeros(reshape: gs.Node) -> None:
+    """A Reshape whose 0 entries copy the input's axis: ``allowzero`` dropped, whose default (0) says so in every
+    opset; set to 0 it would be an attribute opsets below 14 do not have."""
+    reshape.attrs.pop("allowzero", None)
 
 
 # onnx-graphsurgeon's shape-tensor cast elision (fold_constants with fold_shapes=True): op(Cast(int -> float), ...)

@@ -630,6 +630,32 @@ def test_reshape_whose_shape_spells_batch_and_minus_one_gets_a_constant_target()
     assert numpy_helper.to_array(target).tolist() == [0, 6, -1, 4]
 
 
+@covers("fold_constants")
+@pytest.mark.parametrize("opset", [13, 18])
+def test_reshape_given_a_constant_target_stays_valid_at_its_opset(opset: int) -> None:
+    """Opset 13 has no ``allowzero``: an opset-13 BERT's computed Reshapes were rolled back, the graph left
+    unoptimized."""
+    nodes = [
+        h.make_node("Shape", ["x"], ["b"], start=0, end=1) if opset > 13 else h.make_node("Shape", ["x"], ["s"]),
+        *([] if opset > 13 else [h.make_node("Gather", ["s", "zero"], ["b"], axis=0)]),
+        h.make_node("Concat", ["b", "rest"], ["shp"], axis=0),
+        h.make_node("Reshape", ["x", "shp"], ["r"]),
+        h.make_node("Relu", ["r"], ["y"]),
+    ]
+    inits = {"rest": np.array([6, -1, 4]), **({} if opset > 13 else {"zero": np.array([0])})}
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info("x", FLOAT, ["N", 6, 8])],
+        [h.make_tensor_value_info("y", FLOAT, ["N", 6, "k", 4])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    m = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)], ir_version=9)
+    out, _ = run_pass(m, "fold_constants")
+    assert ops(out) == ["Reshape", "Relu"]
+    assert not next(n for n in out.graph.node if n.op_type == "Reshape").attribute
+
+
 @covers("split_to_sequence")
 @pytest.mark.parametrize(
     "split, keepdims, picks",

@@ -3,6 +3,8 @@ graph contradicts."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -382,3 +384,17 @@ def test_a_layer_kept_in_float_after_a_quantized_one_computes_in_float() -> None
     assert a.nodes == {"int8": 1, "fp32": 1}
     assert a.by_node["conv_kept"][1] == "fp32" and a.by_node["conv_int8"][1] == "int8"
     assert a.label() == "fp32" and a.share()["fp32"] > 0.9
+
+
+def test_symbolic_shape_inference_loads_no_torch() -> None:
+    """ONNX Runtime's symbolic shape inference comes by a path that does not import torch: a file's audit (each
+    ``kiln build``) would otherwise spend seconds loading it."""
+    code = (
+        "import sys; from kiln.stages.precision import audit; "
+        "from tests.stages.precision.test_audit import attention; "
+        "shapes = audit._symbolic_shapes(attention(8)); "
+        "assert shapes, 'no shapes'; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[3])
+    assert done.returncode == 0, done.stderr[-2000:]
