@@ -22,6 +22,7 @@ import yaml
 from kiln.core.artifacts import write_text_atomic
 from kiln.core.records import EngineMetadata
 from kiln.stages.package.config import RayConfig
+from kiln.stages.package.triton import served_max_batch
 
 IMPORT_PATH = "kiln.serve.ray_app:build_app"
 # KServe v2's server-level routes (/v2/health/live, /v2/health/ready) as an application of their own
@@ -40,9 +41,9 @@ HEADER = """\
 
 def application(model: str, meta: EngineMetadata, cfg: RayConfig) -> dict[str, Any]:
     """One engine's application: its route, the builder's args (the engine folder relative to the package folder;
-    batches no larger than the engine takes and was validated for), the replicas and the GPUs each one takes."""
+    batches no larger than the engine takes and was validated for, as the replica forms them:
+    :func:`~kiln.stages.package.triton.served_max_batch`), the replicas and the GPUs each one takes."""
     gpus = cfg.gpus_per_replica if cfg.gpus_per_replica is not None else (1.0 if meta.device == "cuda" else 0.0)
-    limit = meta.max_batch()
     return {
         "name": model,
         "route_prefix": f"/v2/models/{model}",
@@ -53,7 +54,8 @@ def application(model: str, meta: EngineMetadata, cfg: RayConfig) -> dict[str, A
             "replicas": cfg.replicas,
             "gpus_per_replica": gpus,
             "cpus_per_replica": cfg.cpus_per_replica,
-            "max_batch_size": cfg.max_batch_size if limit is None else min(cfg.max_batch_size, limit),
+            # 0: an engine that cannot batch requests (an output without a batch axis) runs each one whole
+            "max_batch_size": served_max_batch(meta, cfg.max_batch_size),
             "batch_wait_timeout_s": cfg.batch_wait_timeout_s,
         },
     }

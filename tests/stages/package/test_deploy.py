@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from kiln.core.errors import ConfigError
+from kiln.core.records import TensorSpec
 from kiln.pipeline.api import run_pipeline
 from kiln.pipeline.config import config_from_dict
 from kiln.stages.package.config import KServeConfig, RayConfig
@@ -87,6 +88,10 @@ def test_ray_applications_take_replicas_and_gpus_from_the_config() -> None:
     validated = CPU.model_copy(update={"validated_batch_sizes": [1, 8]})  # batches past 8 are not offered
     assert application("m", validated, cfg)["args"]["max_batch_size"] == 8
     assert application("m", CPU, cfg)["args"]["max_batch_size"] == 16  # no sizes recorded: as configured
+    # an output without a batch axis (a bi-encoder's score [batch] is one): the replica runs each request whole,
+    # and the config says so
+    scalar = CPU.model_copy(update={"outputs": [*CPU.outputs, TensorSpec(name="n", shape=[], dtype="int64")]})
+    assert application("m", scalar, cfg)["args"]["max_batch_size"] == 0
     assert application("m", TRT, RayConfig(gpus_per_replica=0.5))["args"]["gpus_per_replica"] == 0.5
 
 
