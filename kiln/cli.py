@@ -691,11 +691,26 @@ def _latency_table(v: Any) -> Table:
         table.add_row(label, _latency_cell(lat), "1.00", "")
     for e in v.engines:
         if e.status == "validated" and largest in e.latency_ms:
-            speed = e.speedup_vs_baseline.get(largest)
+            ci = e.speedup_ci.get(f"eager-{e.device}", {}).get(largest)
+            speedup = _speedup_cell(e.speedup_vs_baseline.get(largest), ci, e.device)
             chosen = "[bold]chosen[/]" if v.chosen.get(largest) == e.name else ""
-            speedup = f"{speed:.2f}x vs {e.device}" if speed else "-"
             table.add_row(e.name, _latency_cell(e.latency_ms[largest]), speedup, chosen)
     return table
+
+
+# a speedup's 95 % interval wider than this factor (high / low): the point says nothing, the interval is shown
+WIDE_SPEEDUP = 2.0
+
+
+def _speedup_cell(speed: float | None, ci: Any, device: str) -> str:
+    """``2.10x vs cpu``; where its interval spans more than :data:`WIDE_SPEEDUP` (a baseline whose rounds a busy
+    machine split between two speeds), the interval in its place: a point within it would be a guess."""
+    if not speed:
+        return "-"
+    if ci and ci[0] > 0 and ci[1] / ci[0] > WIDE_SPEEDUP:
+        low, high = (f"{x:.3g}" if x < 1000 else f"{x:.0f}" for x in ci)
+        return f"{low}-{high}x vs {device}"
+    return f"{speed:.2f}x vs {device}"
 
 
 def _latency_cell(p: Any) -> str:
@@ -1175,7 +1190,8 @@ DIRECT = {
                 ["--precision", "precision_"],
                 default=None,
                 help="label of the graph's precision (precision lives in the graph: see `kiln precision`) "
-                "[default: the variant's, for a folder or graph of `kiln precision`; else fp32]",
+                "[default: the variant's, for a folder or graph of `kiln precision`; else the precision most of "
+                "the graph's compute is in, by its audit (an FP16 file: fp16)]",
             ),
             click.Option(
                 ["-o", "--output"],

@@ -165,6 +165,44 @@ def test_the_summary_gives_the_runs_wall_time_beside_the_stage_rows(monkeypatch)
     assert "12.35 s in all, 1.50 s of it checking which stages are cached" in out.getvalue()
 
 
+def test_a_speedup_whose_interval_is_wide_is_given_as_the_interval() -> None:
+    """A baseline whose rounds a busy machine split between two speeds (0.23 ms and 530 ms) makes a point speedup of
+    thousands that says nothing: the summary gives the interval in its place."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    import kiln.cli
+
+    def lat(p50: float) -> SimpleNamespace:
+        return SimpleNamespace(p50=p50, ci95=None)
+
+    def engine(name: str, speed: float, ci: tuple[float, float]) -> SimpleNamespace:
+        return SimpleNamespace(
+            name=name,
+            status="validated",
+            device="cpu",
+            latency_ms={"1": lat(0.16)},
+            speedup_vs_baseline={"1": speed},
+            speedup_ci={"eager-cpu": {"1": ci}},
+        )
+
+    base = SimpleNamespace(latency_ms={"1": lat(530.0)}, backend="torch", label="eager-cpu")
+    v = SimpleNamespace(
+        baseline=base,
+        baselines=[base],
+        engines=[engine("wide", 3334.27, (1.45, 5927.0)), engine("narrow", 2.1, (1.9, 2.3))],
+        chosen={},
+        timing={"busy": True},
+    )
+    out = io.StringIO()
+    Console(file=out, width=80).print(kiln.cli._latency_table(v))
+    said = out.getvalue()
+    assert "1.45-5927x vs cpu" in said and "3334" not in said, said
+    assert "2.10x vs cpu" in said, said
+
+
 def test_gate_failure_exit_code(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
     cfg = str(write_yaml(tiny_config_dict(**{"validate.gates.max_latency_p50_ms": 1e-9})))
     result = cli.invoke(main, ["run", cfg, "-w", str(tmp_path / "wd"), "--quiet"])
