@@ -624,7 +624,10 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
         results.print(_accuracy_table(v, _fmt))
         results.print(_latency_table(v))
         _print_unvalidated(v.engines)
-    precision = report.get("stages", {}).get("precision", {}).get("summary", {})
+    # the precision stage's outcome where this command ran it (or found it cached): a one-stage command before it
+    # (kiln export) does not repeat an earlier run's
+    ran = any(r.name == "precision" and r.status != "not-run" for r in result.records)
+    precision = report.get("stages", {}).get("precision", {}).get("summary", {}) if ran else {}
     for name, why in precision.get("failed", {}).items():
         # a variant its gates or its share of low-precision compute left unmade is an outcome, not a failure
         said = (

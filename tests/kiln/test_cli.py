@@ -139,11 +139,17 @@ def test_a_variant_its_gates_left_unmade_is_not_called_failed(monkeypatch) -> No
     monkeypatch.setattr(kiln.cli, "console", Console(file=out, width=200))
     monkeypatch.setattr(kiln.cli, "results", Console(file=io.StringIO(), width=200))
     failed = {"int8": "int8 not made: no fallback round passed the gates", "fp16": "fp16 conversion raised"}
-    report = {"stages": {"precision": {"summary": {"failed": failed}}}}
-    kiln.cli._print_summary(SimpleNamespace(records=[]), report, Path("wd"))
+    report = {"stages": {"precision": {"status": "ran", "seconds": 1.0, "summary": {"failed": failed}}}}
+    ran = SimpleNamespace(name="precision", status="ran", seconds=1.0)
+    kiln.cli._print_summary(SimpleNamespace(records=[ran]), report, Path("wd"))
     said = out.getvalue()
     assert "precision variant int8 not made, the others were built: int8 not made" in said, said
     assert "precision variant fp16 failed, the others were built" in said, said
+    # a command that stopped before precision (kiln export) does not repeat an earlier run's outcome
+    out.truncate(0)
+    export = SimpleNamespace(name="export", status="ran", seconds=1.0)
+    kiln.cli._print_summary(SimpleNamespace(records=[export]), report, Path("wd"))
+    assert "precision variant" not in out.getvalue(), out.getvalue()
 
 
 def test_the_summary_gives_the_runs_wall_time_beside_the_stage_rows(monkeypatch) -> None:
