@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 import numpy as np
 
 from kiln.core.errors import ConfigError
+from kiln.core.inputs import batch_of_one_hint
 from kiln.core.labels import IGNORE_LABEL
 from kiln.core.records import IntRange, TensorSpec, trailing_axes
 
@@ -317,7 +318,7 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
             raise DataContractError(
                 f"dataset '{ref}': {split}_x has {rows(x)} rows but {split}_y has shape "
                 f"{list(y.shape)} (one label per row expected)",
-                hint="give one label per sample",
+                hint=_label_rows_hint(x, y, split),
             )
         if y is not None:
             _check_labels(y, split, data.num_classes, ref)
@@ -353,9 +354,22 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
             )
 
 
+def _label_rows_hint(x: Inputs, y: torch.Tensor, split: str) -> str:
+    """The fix for labels of another row count than the inputs. Labels per node, position or frame ``[N]`` beside
+    inputs given as one sample ``[1, N, ...]`` (a graph as a batch of one) lack that sample's axis: ``y[None]``."""
+    if y.ndim >= 1 and rows(x) == 1 and any(t.ndim >= 2 and t.shape[1] == len(y) for t in tensors(x)):
+        return (
+            f"{split}_x is one sample of {len(y)} positions (axis 1): give its labels that sample's axis too, "
+            f"{split}_y[None] (labels {[1, *y.shape]})"
+        )
+    return "give one label per sample"
+
+
 def _rows_hint(inputs: Mapping[str, torch.Tensor]) -> str:
     """The fix for inputs of different row counts. Where two read as an ``nn.EmbeddingBag``'s flat ids and their
-    offsets (:func:`_flat_bags`), those have no batch axis at all: the padded form has one."""
+    offsets (:func:`_flat_bags`), those have no batch axis at all: the padded form has one. Where one holds indices
+    into another's rows (a graph's edges into its nodes, :func:`_indexes_rows`), they are one sample: a batch of one.
+    An input whose axis 1 is another's row count reads as an RNN state, given batch-first."""
     bags = _flat_bags(inputs)
     if bags is not None:
         return (
@@ -364,9 +378,37 @@ def _rows_hint(inputs: Mapping[str, torch.Tensor]) -> str:
             "torch.nn.utils.rnn.pad_sequence(bags, batch_first=True, padding_value=PAD)), and build the "
             "nn.EmbeddingBag with padding_idx=PAD, which leaves the pads out of each bag"
         )
-    return (
-        "give every input one row per sample on axis 0; an input whose batch is another axis (an RNN's state "
-        "[layers, batch, hidden]) is given batch-first and forward() moves it (h0.transpose(0, 1))"
+    one = batch_of_one_hint([TensorSpec(name=n, shape=list(t.shape), dtype=str(t.dtype)) for n, t in inputs.items()])
+    if _indexes_rows(inputs):
+        return one
+    if _batch_on_axis_1(inputs):
+        return (
+            "give every input one row per sample on axis 0; an input whose batch is another axis (an RNN's state "
+            "[layers, batch, hidden]) is given batch-first and forward() moves it (h0.transpose(0, 1))"
+        )
+    return f"give every input one row per sample on axis 0, or, where they are one sample without a batch axis, {one}"
+
+
+def _indexes_rows(inputs: Mapping[str, torch.Tensor]) -> bool:
+    """Whether an integer input of a small fixed axis 0 (a graph's edge_index ``[2, edges]``) holds indices into the
+    rows of another input (its nodes ``[nodes, F]``): one sample without a batch axis, not samples of two counts."""
+    for name, t in inputs.items():
+        if t.ndim < 2 or len(t) > 3 or not t.numel() or not _integers(t) or int(t.min()) < 0:
+            continue
+        top = int(t.max())
+        if any(n != name and len(u) != len(t) and top < len(u) for n, u in inputs.items()):
+            return True
+    return False
+
+
+def _batch_on_axis_1(inputs: Mapping[str, torch.Tensor]) -> bool:
+    """Whether an input's axis 1 is the row count of another (an RNN's state ``[layers, batch, hidden]``): the
+    batch is there, moved to axis 0 in forward()."""
+    return any(
+        t.ndim >= 2 and len(t) != len(u) and t.shape[1] == len(u)
+        for n, t in inputs.items()
+        for m, u in inputs.items()
+        if n != m
     )
 
 
@@ -653,19 +695,25 @@ def check_forward_takes(model: Any, x: Inputs, ref: str) -> None:
     if not params or any(p.kind == p.VAR_KEYWORD for p in params) and isinstance(x, Mapping):
         return
     if not isinstance(x, Mapping) and _keywords_only(params):
-        shown = ", ".join(("**" if p.kind == p.VAR_KEYWORD else "") + p.name for p in params)
         raise DataContractError(
-            f"model '{ref}' forward({shown}) takes keyword arguments only, and the dataset gives {_describe(x)}, "
-            "which is passed by position",
+            f"model '{ref}' forward({_signature(params)}) takes keyword arguments only, and the dataset gives "
+            f"{_describe(x)}, which is passed by position",
             hint="return the inputs as a dict {name: tensor} from the data function (train_x and val_x), keyed by "
             "the names forward() reads",
         )
     if isinstance(x, Mapping):
         known = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         unknown = [k for k in x if k not in known]
+        if unknown and not known and any(p.kind == p.VAR_POSITIONAL for p in params):
+            raise DataContractError(
+                f"model '{ref}' forward({_signature(params)}) takes positional arguments only, and the dataset "
+                f"gives {_describe(x)}, which is passed by keyword",
+                hint="return the inputs as a tuple from the data function (train_x and val_x), one tensor per "
+                "argument in the order forward() reads them",
+            )
         if unknown:
             raise DataContractError(
-                f"model '{ref}' forward({', '.join(p.name for p in params)}) takes no "
+                f"model '{ref}' forward({_signature(params)}) takes no "
                 f"argument {unknown[0]!r}, which the dataset's inputs name",
                 hint=f"name the data's dict keys after the forward's parameters {sorted(known)}",
             )
@@ -677,6 +725,11 @@ def check_forward_takes(model: Any, x: Inputs, ref: str) -> None:
                 f"gives a tuple of {len(x)}",
                 hint="give x as a tuple with one tensor per forward parameter, or a dict",
             )
+
+
+def _signature(params: list[inspect.Parameter]) -> str:
+    """The forward's parameters as its ``def`` writes them: ``*args`` and ``**kwargs`` with their stars."""
+    return ", ".join({"VAR_POSITIONAL": "*", "VAR_KEYWORD": "**"}.get(p.kind.name, "") + p.name for p in params)
 
 
 def _keywords_only(params: list[inspect.Parameter]) -> bool:

@@ -33,9 +33,11 @@ from kiln.core.data import (
     tensors,
 )
 from kiln.core.errors import ConfigError, ModelError, TrainingError
+from kiln.core.inputs import batch_of_one_hint
 from kiln.core.labels import is_label_name, is_loss_name
 from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress
+from kiln.core.records import TensorSpec
 from kiln.core.stage import StageContext
 from kiln.core.text import first_line, fmt
 from kiln.core.user_errors import running_user_code, user_code_error, user_frame, where
@@ -405,6 +407,9 @@ def _probe(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, lookup
             return call(model.eval(), x)
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         check_token_ids(model, data, x, lookups)
+        across = _indexed_across_rows(data, x, exc)
+        if across is not None:
+            raise _rows_not_samples(model, data, x, model_ref, across, exc) from None
         raise _cannot_take(model, data, x, model_ref, exc) from None
     except Exception as exc:  # any other error of the user's forward: theirs, named by file and line
         err = user_code_error(exc, "checking the model on two samples of the data", f"model '{model_ref}'", model=True)
@@ -413,6 +418,38 @@ def _probe(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, lookup
         raise err from exc
     finally:
         model.train()
+
+
+def _indexed_across_rows(data: DatasetSplits, x: Any, exc: Exception) -> int | None:
+    """The position of an integer input whose values index the split's rows, where the forward failed on the probe
+    rows ``x`` with an index error: values past the probe's rows but within the split's (a neighbour list ``[N, k]``
+    into nodes ``[N, F]``) say the rows are one sample, not independent samples a slice of which the model takes."""
+    if not isinstance(exc, IndexError) and "out of range" not in str(exc) and "out of bounds" not in str(exc):
+        return None
+    full = data.train_x if rows(data.train_x) else data.val_x
+    n = rows(full)
+    for i, (part, whole) in enumerate(zip(tensors(x), tensors(full))):
+        if part.is_floating_point() or part.is_complex() or part.dtype == torch.bool or not part.numel():
+            continue
+        if rows(x) <= int(part.max()) and int(whole.min()) >= 0 and int(whole.max()) < n:
+            return i
+    return None
+
+
+def _rows_not_samples(
+    model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, index: int, exc: Exception
+) -> ModelError:
+    """The error for rows that are no independent samples: the input at ``index`` indexes across the rows
+    (:func:`_indexed_across_rows`), so the model takes all of them at once, as one sample: a batch of one."""
+    full = data.train_x if rows(data.train_x) else data.val_x
+    names, parts = _shown_names(model, x), tensors(full)
+    specs = [TensorSpec(name=n, shape=list(t.shape), dtype=str(t.dtype)) for n, t in zip(names, parts)]
+    return ModelError(
+        f"model '{model_ref}' cannot take {rows(x)} of the dataset's rows alone ({first_line(exc, 120)}): input "
+        f"{names[index]} holds indices into all {rows(full)} rows, so the rows are not independent samples (the "
+        "model indexes across rows)",
+        hint=f"{batch_of_one_hint(specs)}; give the labels as y[None] (one row of labels per sample)",
+    )
 
 
 def _cannot_take(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, exc: Exception) -> ModelError:

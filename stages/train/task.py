@@ -62,11 +62,13 @@ class Task:
 
     def loss(self, out: Any, y: torch.Tensor) -> torch.Tensor:
         """The mean loss over ``y``'s labelled rows or positions (``IGNORE_LABEL`` marks those without a label), or
-        over the rows of float targets."""
+        over the rows of float targets. train.loss's result is checked on every call (:func:`scalar_loss`), so that
+        training, validation and the checks before training all refuse one that is not a scalar tensor."""
         if self.user_loss is not None:
-            return self.user_loss(self.loss_input(out), y if self.labels else None)
+            value = self.user_loss(self.loss_input(out), y if self.labels else None)
+            return scalar_loss(self.user_loss, value, out)
         target = self.target(out)
-        check_rows(target, len(y))
+        check_rows(target, len(y), self.trains)
         if self.kind == "classification":
             y = y.long()  # class indices of any integer dtype (int32 from numpy, uint8): cross-entropy takes int64
             if not self.trains and not labels.are_indices(target, y):  # several targets per sample: no loss reads
@@ -125,26 +127,33 @@ class Task:
 
 CLASSIFY = Task("classification")
 
+
 # How a model that takes one sample a call is configured (docs/byom.md): the fix where its outputs lack rows
-ONE_A_CALL_FIX = (
-    "a model that takes one sample a call (a graph given as a batch of one, its forward reading x[0]) runs at "
-    "batch 1: set signature.batch_sizes: [1] and train.batch_size: 1 (docs/byom.md); otherwise return one output "
-    "row per input row (axis 0 of every output is the batch)"
-)
+def one_a_call_fix(trains: bool = True) -> str:
+    """The fix for a model that takes one sample a call given several: it runs at batch 1, in training too where it
+    trains here (``trains``), else only its engines' batch sizes are set."""
+    sizes = "signature.batch_sizes: [1] and train.batch_size: 1" if trains else "signature.batch_sizes: [1]"
+    return (
+        "a model that takes one sample a call (a graph given as a batch of one, its forward reading x[0]) runs at "
+        f"batch 1: set {sizes} (docs/byom.md); otherwise return one output row per input row (axis 0 of every "
+        "output is the batch)"
+    )
 
 
-def check_rows(target: torch.Tensor, rows_in: int) -> None:
+def check_rows(target: torch.Tensor, rows_in: int, trains: bool = True) -> None:
     """The output the built-in loss reads has one row per input row (``rows_in``, the labels' rows): each label is
     scored against its own row. A model that reads only its first row (a batch of one) and is given several returns
     fewer, which cross-entropy refuses with a shape error, or which it pairs with the wrong labels where the sizes
-    happen to flatten alike, and which mean squared error broadcasts."""
+    happen to flatten alike, and which mean squared error broadcasts. ``trains``: False where no loss trains the
+    model (validation alone scores it), which the error says instead of the loss and train.batch_size."""
     if target.ndim == 0 or len(target) >= rows_in:  # more rows: flattened positions, which check_positions says
         return
+    reader = "the loss pairs" if trains else "validation pairs"
     raise ModelError(
         f"the model returns {len(target)} row{'s' if len(target) != 1 else ''} of output "
-        f"{tuple(target.shape)} for {rows_in} input rows: the loss pairs each input row (and its label) with an "
+        f"{tuple(target.shape)} for {rows_in} input rows: {reader} each input row (and its label) with an "
         "output row of its own",
-        hint=ONE_A_CALL_FIX,
+        hint=one_a_call_fix(trains),
     )
 
 
@@ -611,6 +620,26 @@ def _targets_fix(fn: LossFn, read: str, pred: Any, y: torch.Tensor, exc: BaseExc
     return f"{loss_name(fn)} takes targets {wants}: return labels {given} from the data function, or {call}"
 
 
+def scalar_loss(fn: LossFn, value: Any, out: Any) -> torch.Tensor:
+    """train.loss's result ``value`` as the scalar tensor the backward pass and the loss statistics take, or a
+    ConfigError saying what it returned instead (a tuple, a Python number, a per-sample vector): a traceback from
+    backward() or from the statistics otherwise. A tensor of one element (shape ``[1]``) is that element, squeezed
+    to a scalar: it holds one loss as well."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.reshape(())
+    if isinstance(value, torch.Tensor):
+        got = f"a tensor of shape {list(value.shape)}"
+    elif value is None:
+        got = "None"
+    else:
+        kind = type(value).__name__
+        got = f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
+    raise ConfigError(
+        f"train.loss {loss_name(fn)} returned {got}; it must return one scalar tensor",
+        hint=_scalar_hint(value, out),
+    )
+
+
 def _scalar_hint(value: Any, out: Any) -> str:
     """The fix for a train.loss that returned ``value``, not a scalar tensor, by what it returned: a research
     trainer's ``(loss, stats)`` needs its loss alone, a Python number (``.item()``) the tensor it came from (training
@@ -625,10 +654,12 @@ def _scalar_hint(value: Any, out: Any) -> str:
             "return the loss tensor computed from the outputs it is given, without .item()/float(): training "
             "backpropagates through it"
         )
-    return (
-        f"reduce it to one number, e.g. torch.nn.functional.mse_loss({_output_expr(out)}, targets) (a mean over "
-        "the batch)"
-    )
+    if isinstance(value, torch.Tensor):
+        return (
+            "reduce a per-sample loss to one number with .mean() (or call the loss with its default reduction, "
+            f"e.g. torch.nn.functional.mse_loss({_output_expr(out)}, targets)): training backpropagates one scalar"
+        )
+    return "return the loss as one scalar tensor computed from the outputs it is given"
 
 
 def _per_row_labels(target: torch.Tensor, y: torch.Tensor, model_ref: str) -> ModelError:
@@ -840,10 +871,7 @@ def check_task(
     if task.user_loss is not None:
         doing = "trying train.loss on the model's outputs for two samples"
         with loss_errors(task, doing, lambda exc: _loss_fix(task, out, y, exc)):
-            value = task.loss(out, y)
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ConfigError(f"train.loss returned {got}, not a scalar tensor", hint=_scalar_hint(value, out))
+            task.loss(out, y)  # refuses a result that is not one scalar tensor (scalar_loss)
         if not (task.kind == "classification" and labels.per_position(y)):
             return
         try:  # labels per position: accuracy and top-1 read them off the class-logit output, whatever the loss
@@ -858,7 +886,7 @@ def check_task(
             _say_unscored(task, target, y)
         return
     target = task.target(out)
-    check_rows(target, len(y))
+    check_rows(target, len(y), task.trains)
     if task.kind == "classification" and labels.follows_positions(y, target, flatten_outputs(out).values(), sizes):
         if not task.trains and not lacks_decoder and _unscored(target, y):
             _say_unscored_untrained(target, y, _logits_output(task, out))

@@ -550,3 +550,54 @@ def test_a_nan_in_a_tuple_input_names_it_by_its_index_and_in_a_dict_by_its_key()
         _check_values((torch.zeros(1, 2), bad), None, "train", "m:load")
     with pytest.raises(DataContractError, match=r"train_x\['mask'\] holds 1 NaN values"):
         _check_values({"mask": bad}, None, "train", "m:load")
+
+
+def test_a_graph_without_a_batch_axis_is_told_the_batch_of_one() -> None:
+    """Nodes [N, F] beside edge_index [2, E] indexing them are one sample: the fix was an RNN state's transpose."""
+    x, edges = torch.zeros(20, 16), torch.randint(0, 20, (2, 50))
+    data = DatasetSplits((x, edges), torch.zeros(20, dtype=torch.long), (x, edges), torch.zeros(20, dtype=torch.long))
+    with pytest.raises(DataContractError, match="different row counts") as e:
+        check_splits(data, "d")
+    assert (
+        "batch of one" in e.value.hint
+        and "[1, 2, 50]" in e.value.hint
+        and "signature.batch_sizes: [1]" in (e.value.hint)
+    )
+    assert "transpose" not in e.value.hint
+
+
+def test_an_rnn_state_of_batch_on_axis_1_keeps_the_transpose_fix() -> None:
+    x = (torch.zeros(8, 5, 3), torch.zeros(2, 8, 4))
+    with pytest.raises(DataContractError) as e:
+        check_splits(DatasetSplits(x, None, x, None), "d")
+    assert "h0.transpose(0, 1)" in e.value.hint
+
+
+def test_labels_per_node_beside_a_graph_as_a_batch_of_one_are_told_y_none() -> None:
+    """Labels [N] beside x [1, N, F] were told to give one label per sample: they lack the sample's axis."""
+    x, edges = torch.zeros(1, 20, 16), torch.zeros(1, 2, 50, dtype=torch.long)
+    y = torch.zeros(20, dtype=torch.long)
+    with pytest.raises(DataContractError, match="train_x has 1 rows but train_y has shape \\[20\\]") as e:
+        check_splits(DatasetSplits((x, edges), y, (x, edges), y[None], num_classes=2), "d")
+    assert "train_y[None] (labels [1, 20])" in e.value.hint
+
+
+class _PositionalOnly(nn.Module):
+    def forward(self, *a: torch.Tensor) -> torch.Tensor:
+        return a[0]
+
+
+class _Mixed(nn.Module):
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_a_forward_of_args_alone_given_a_dict_is_told_to_give_a_tuple() -> None:
+    """forward(self, *a) given a dict was told it takes no argument 'query_ids' and to name the keys after []."""
+    from kiln.core.data import check_forward_takes
+
+    with pytest.raises(DataContractError, match=r"forward\(\*a\) takes positional arguments only") as err:
+        check_forward_takes(_PositionalOnly(), {"query_ids": torch.zeros(2, 3)}, "m:build")
+    assert "as a tuple" in err.value.hint and "[]" not in err.value.hint
+    with pytest.raises(DataContractError, match=r"forward\(x, \*rest\) takes no argument 'y'"):
+        check_forward_takes(_Mixed(), {"y": torch.zeros(2, 3)}, "m:build")

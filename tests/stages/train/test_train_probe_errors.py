@@ -66,3 +66,25 @@ def test_inputs_through_args_keep_their_indices() -> None:
         check_model_fits_data(Variadic(), _data(torch.float64), "var:build")
     assert "inputs (0 (2, 4) torch.float64, 1 (2,) torch.int64, 2 (2,)" in e.value.message
     assert e.value.hint.startswith("give input '0' (float64) as float32, the dtype of the model's weights (.float() on")
+
+
+class Neighbours(nn.Module):
+    """Nodes ``x [N, F]`` and each node's neighbours ``nbr [N, k]``, indices into all N rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, nbr: torch.Tensor) -> torch.Tensor:
+        return self.lin(x + x.index_select(0, nbr.reshape(-1)).reshape(*nbr.shape, -1).mean(1))
+
+
+def test_rows_indexed_across_by_the_model_are_told_the_batch_of_one() -> None:
+    """The probe's two rows failed as 'index out of range' with a fix to change the data or the model, for a model
+    that runs on all the rows: they are one sample."""
+    x = (torch.randn(12, 4), (torch.arange(12 * 2).reshape(12, 2) * 5) % 12)
+    y = torch.zeros(12, dtype=torch.long)
+    with pytest.raises(ModelError, match="input nbr holds indices into all 12 rows") as err:
+        check_model_fits_data(Neighbours(), DatasetSplits(x, y, x, y, num_classes=3), "knn:build")
+    assert "not independent samples" in str(err.value) and "x [1, 12, 4], nbr [1, 12, 2]" in err.value.hint
+    assert "signature.batch_sizes: [1]" in err.value.hint and "y[None]" in err.value.hint

@@ -199,7 +199,7 @@ def test_a_loss_of_one_number_per_sample_is_told_how_to_read_the_outputs(out, re
     """The fix said outputs[0] whatever forward returned: for a tensor output that is the first sample's row,
     and a loss written so trained a useless model that passed."""
     per_row = Task("regression", None, lambda o, y: torch.zeros(len(y)))
-    with pytest.raises(ConfigError, match=r"returned a tensor of shape \(2,\), not a scalar") as err:
+    with pytest.raises(ConfigError, match=r"returned a tensor of shape \[2\]; it must return one scalar") as err:
         check_task(per_row, out, torch.zeros(2, 1), 0, "m")
     assert f"mse_loss({read}, targets)" in err.value.hint
 
@@ -216,9 +216,31 @@ def test_a_loss_of_one_number_per_sample_is_told_how_to_read_the_outputs(out, re
 def test_a_loss_returning_a_tuple_or_a_python_number_is_told_what_to_return(loss, fix) -> None:
     """Both were told to reduce the loss to one number, e.g. with an MSE: a tuple (loss, stats) as CenterNet's
     trainer returns needs its loss alone, and a number from .item() is one already."""
-    with pytest.raises(ConfigError, match="not a scalar tensor") as err:
+    with pytest.raises(ConfigError, match="it must return one scalar tensor") as err:
         check_task(Task("regression", None, loss), torch.zeros(2, 1), torch.zeros(2, 1), 0, "m")
     assert fix in err.value.hint and "mse_loss" not in err.value.hint
+
+
+@pytest.mark.parametrize(
+    ("loss", "got"),
+    [
+        (lambda o, y: (o.mean(), {"loss": 0.0}), "a tuple"),
+        (lambda o, y: float(o.detach().mean()), "a float"),
+        (lambda o, y: (o - 1).pow(2).mean(dim=1), r"a tensor of shape \[32\]"),
+    ],
+)
+def test_a_loss_that_is_not_one_scalar_is_refused_without_labels_too(loss, got) -> None:
+    """A label-free loss (called as loss(outputs, None)) skips check_task's label checks: its tuple, float or vector
+    reached backward() and the loss statistics as a traceback. Task.loss refuses it wherever it is called."""
+    task = Task("regression", None, loss, labels=False)
+    with pytest.raises(ConfigError, match=f"returned {got}; it must return one scalar tensor"):
+        task.loss(torch.zeros(32, 3, requires_grad=True), torch.zeros(32))
+
+
+def test_a_loss_of_shape_one_is_squeezed_to_a_scalar() -> None:
+    task = Task("regression", None, lambda o, y: o.mean().reshape(1))
+    value = task.loss(torch.ones(4, 3, requires_grad=True), torch.zeros(4))
+    assert value.shape == () and value.requires_grad
 
 
 def _one_hot(n: int, classes: int) -> torch.Tensor:
@@ -539,3 +561,13 @@ def test_integer_labels_beside_one_logit_are_told_of_binary_cross_entropy(logits
     with pytest.raises(ModelError) as err:  # too few of several logits: the model's class count
         check_task(Task("classification"), torch.zeros(2, 2), torch.tensor([0, 2]), 3, "m")
     assert err.value.hint.startswith("give the model as many class logits as the dataset has classes")
+
+
+@pytest.mark.parametrize("trains", [True, False])
+def test_one_output_row_for_several_is_worded_for_whether_the_model_trains(trains: bool) -> None:
+    """Without training (train.enabled: false) the error spoke of the loss and told to set train.batch_size."""
+    task = Task("classification", None, trains=trains)
+    with pytest.raises(ModelError, match="1 row of output") as err:
+        check_task(task, torch.zeros(1, 5, 4), torch.zeros(2, dtype=torch.long), 4, "m")
+    assert ("the loss pairs" in str(err.value)) is trains and ("validation pairs" in str(err.value)) is not trains
+    assert ("train.batch_size" in err.value.hint) is trains and "signature.batch_sizes: [1]" in err.value.hint
