@@ -6,6 +6,7 @@ import functools
 import logging
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -215,8 +216,7 @@ def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto
     except Exception as exc:
         if strict:
             raise ModelError(
-                f"ONNX shape inference failed: {first_line(exc)}",
-                hint="the graph has a shape mismatch; check the model's input shapes",
+                f"ONNX shape inference failed: {first_line(exc)}", hint=_inference_hint(model, exc)
             ) from None
         log.warning("shape inference failed (%s); passes that need shapes will skip", first_line(exc))
         return model
@@ -227,6 +227,29 @@ def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto
             out.type.CopyFrom(found.type)
     _forget_sequence_symbols(model)
     return model
+
+
+def _inference_hint(model: onnx.ModelProto, exc: Exception) -> str:
+    """The fix for a failed shape inference. A type error (``has unsupported type: tensor(int32)``: an op given int32
+    where it takes int64 indices) is about a value's dtype, not its shape: the fix names the graph inputs of that
+    dtype, whose dtype in the data (or a missing cast in ``forward``) is the usual cause."""
+    found = re.search(r"typestr: tensor\((\w+)\), has unsupported type: tensor\((\w+)\)", str(exc))
+    if not found:
+        return "the graph has a shape mismatch; check the model's input shapes"
+    wanted, bad = found.groups()
+    cast = ".long()" if wanted == "int64" else f"a cast to {wanted}"
+    names = [v.name for v in model.graph.input if _elem_type_name(v.type) == bad]
+    if not names:
+        return f"an op takes {wanted} where the graph gives it {bad}: add {cast} on that value in forward"
+    listed = ", ".join(repr(n) for n in names)
+    return f"input {listed} is {bad}, where an op takes {wanted}: give it as {wanted}, or call {cast} on it in forward"
+
+
+def _elem_type_name(t: onnx.TypeProto) -> str:
+    """The element type of a tensor type as ONNX's messages spell it (``int32``, ``float``); empty for others."""
+    if not t.HasField("tensor_type") or not t.tensor_type.elem_type:
+        return ""
+    return onnx.TensorProto.DataType.Name(t.tensor_type.elem_type).lower()
 
 
 def _forget_sequence_symbols(model: onnx.ModelProto) -> None:

@@ -21,7 +21,7 @@ from kiln.core.compare import class_axis
 from kiln.core.data import DatasetSplits, feed_for_graph, is_tensor, rows
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.feeds import check_feed
-from kiln.core.inputs import random_inputs
+from kiln.core.inputs import check_batch_axis, random_inputs
 from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx
 from kiln.core.output_names import logits_name
 from kiln.core.records import TensorSpec
@@ -233,15 +233,41 @@ def _batch_class_axis(path: Path, inputs: list[TensorSpec], name: str, shape: li
 def random_axis_size(path: Path, inputs: list[TensorSpec], signature: Signature) -> int | None:
     """The size random inputs of ``model.onnx`` give every dynamic axis besides batch: the largest of
     ``signature.shapes``; None where the graph has no such axis; a ConfigError where it has one and nothing sizes it
-    (checked as the run takes the file, before any stage works on it)."""
+    (checked as the run takes the file, before any stage works on it). An axis the file leaves unnamed (0 in
+    ``inputs``, neither a size nor a name) is dynamic too, named by ``signature.dynamic_axes`` where it names it.
+    The inputs' common batch axis is checked first (:func:`~kiln.core.inputs.check_batch_axis`): a graph without one
+    (a paper-layout GNN's ``x [nodes, 16]`` beside ``edge_index [2, edges]``) is refused for that, which sizes would
+    not mend."""
+    check_batch_axis(inputs, f"model.onnx {path.name}")
     sizes = {k: max(v) for k, v in signature.shapes.items() if v}
-    named = {d for s in inputs for d in s.shape[1:] if isinstance(d, str)}
-    if named and not sizes:
+    named = {d for s in inputs for d in s.shape[1:] if isinstance(d, str) and d}
+    named |= {
+        str(signature.dynamic_axes[n][a])
+        for n, a in _unnamed_axes(inputs, {})
+        if a in signature.dynamic_axes.get(n, {})
+    }
+    unnamed = _unnamed_axes(inputs, signature.dynamic_axes)
+    if (named or unnamed) and not sizes:
+        listed = [repr(d) for d in sorted(named)] + [f"{name} axis {axis} (unnamed)" for name, axis in unnamed]
+        hint = "give data.name (a data function), or signature.shapes with their sizes"
+        if unnamed:
+            name, axis = unnamed[0]
+            named_first = f"signature.dynamic_axes: {{{name}: {{{axis}: seq}}}}"
+            hint += f"; name an unnamed axis first ({named_first}) and size it by that name"
         raise ConfigError(
-            f"model.onnx {path.name} has dynamic axes {sorted(named)} besides batch, and no data to size them",
-            hint="give data.name (a data function), or signature.shapes with their sizes",
+            f"model.onnx {path.name} has dynamic axes [{', '.join(listed)}] besides batch, and no data to size them",
+            hint=hint,
         )
     return max(sizes.values()) if sizes else None
+
+
+def _unnamed_axes(inputs: list[TensorSpec], dynamic_axes: dict[str, dict[int, str]]) -> list[tuple[str, int]]:
+    """(input, axis) of each axis besides the batch that the file leaves dynamic without a name (0 in the spec)
+    and ``signature.dynamic_axes`` does not name."""
+    given = {(name, int(axis)) for name, axes in dynamic_axes.items() for axis in axes}
+    return [
+        (s.name, i) for s in inputs for i, d in enumerate(s.shape) if i and d in (0, "") and (s.name, i) not in given
+    ]
 
 
 def random_splits(path: Path, signature: Signature, seed: int, rows: int = 64) -> DatasetSplits:

@@ -25,6 +25,7 @@ from kiln.stages.engines.tensorrt.config import TensorRTConfig
 from kiln.stages.engines.tensorrt.errors import (
     KilnTrtLogger,
     gc_paused_for_tensorrt,
+    native_stdout_to_stderr,
     parse_onnx,
 )
 from kiln.stages.engines.tensorrt.lib import (
@@ -76,7 +77,8 @@ def _build(
         tensorrt_cache.attach_timing_cache(config, cache_file) if cfg.timing_cache and feats["timing_cache"] else None
     )
     (out / "network_layers.json").write_text(json.dumps(network_layers(network), indent=1))
-    plan = builder.build_serialized_network(network, config)
+    with native_stdout_to_stderr():  # TensorRT-RTX prints some warnings to stdout itself
+        plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise BuildError(
             f"TensorRT ({trt.__name__} {trt.__version__}) failed to build the engine: " + logger.last_errors(),

@@ -6,10 +6,13 @@ most. Nothing falls back silently: a node TensorRT cannot import fails the build
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import gc
 import logging
+import os
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -134,6 +137,48 @@ def gc_paused_for_tensorrt() -> Iterator[None]:
             _gc_pauses -= 1
             if _gc_pauses == 0 and _gc_was_enabled:
                 gc.enable()
+
+
+_stdout_lock = threading.Lock()
+_stdout_redirects = 0
+_saved_stdout: int | None = None
+
+
+@contextmanager
+def native_stdout_to_stderr() -> Iterator[None]:
+    """Send what native code writes to file descriptor 1 to descriptor 2 while the block runs.
+
+    TensorRT-RTX prints some warnings of its own with C's stdio rather than through the logger (``WARNING: in op
+    ..., operand ... requires precision-lose casting``), which would mix log lines into a command's results on
+    stdout. Python's and C's buffers are flushed before descriptor 1 moves and again before it comes back, so each
+    line lands where it was written for. A count, like :func:`gc_paused_for_tensorrt`: builds in several threads
+    redirect once and restore once, when the last ends."""
+    global _stdout_redirects, _saved_stdout
+    with _stdout_lock:
+        if _stdout_redirects == 0:
+            _flush_stdout()
+            _saved_stdout = os.dup(1)
+            os.dup2(2, 1)
+        _stdout_redirects += 1
+    try:
+        yield
+    finally:
+        with _stdout_lock:
+            _stdout_redirects -= 1
+            if _stdout_redirects == 0 and _saved_stdout is not None:
+                _flush_stdout()
+                os.dup2(_saved_stdout, 1)
+                os.close(_saved_stdout)
+                _saved_stdout = None
+
+
+def _flush_stdout() -> None:
+    """Flush Python's ``sys.stdout`` and every C stdio stream (``fflush(NULL)``), where libc can be reached."""
+    sys.stdout.flush()
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to reach (not a POSIX build): Python's own buffer is all
+        pass
 
 
 def parse_onnx(trt: ModuleType, network: Any, logger: Any, onnx_path: Path) -> Any:

@@ -46,9 +46,11 @@ def _unsized_error(spec: TensorSpec, sizes: dict[str, list[int]]) -> ConfigError
     names; an axis the file leaves unnamed (no name to give sizes by) is named first, in signature.dynamic_axes."""
     axes = [(i, d) for i, d in enumerate(spec.shape) if i and not (isinstance(d, int) and d >= 1) and d not in sizes]
     named = [str(d) for _, d in axes if isinstance(d, str) and d]
+    shown = "[" + ", ".join(_dim_text(i, d) for i, d in enumerate(spec.shape)) + "]"
+    which = ", ".join(repr(d) if isinstance(d, str) and d else f"axis {i} (unnamed)" for i, d in axes)
     problem = (
-        f"input '{spec.name}' (shape {spec.shape}) has dynamic axes {[d for _, d in axes]} besides the batch axis, "
-        "with no sizes known for them"
+        f"input '{spec.name}' (shape {shown}) has dynamic axes [{which}] besides the batch axis, with no sizes "
+        "known for them"
     )
     if named:
         hint = (
@@ -65,6 +67,14 @@ def _unsized_error(spec: TensorSpec, sizes: dict[str, list[int]]) -> ConfigError
             "this input"
         )
     return ConfigError(problem, hint=hint)
+
+
+def _dim_text(axis: int, dim: int | str) -> str:
+    """One axis of a shape as a message writes it: a size, a name, or ``?`` for a dynamic axis the file leaves
+    unnamed (0 in a spec: never a size here, where the batch axis aside every size is checked to be 1 or more)."""
+    if isinstance(dim, int) and (dim >= 1 or axis == 0):
+        return str(dim)
+    return f"'{dim}'" if isinstance(dim, str) and dim else "?"
 
 
 def check_profiles(
