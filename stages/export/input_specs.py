@@ -16,6 +16,7 @@ from kiln.core.errors import ConfigError
 from kiln.core.inputs import random_inputs
 from kiln.core.labels import is_label_name, is_mask_name
 from kiln.core.records import TensorSpec
+from kiln.core.shapes import is_length_name
 from kiln.core.text import first_line
 from kiln.models.model_io import dataset_for
 from kiln.models.registry import DEFAULT_DATASET
@@ -238,12 +239,31 @@ def _dims(text: str) -> list[int] | None:
 
 def example_inputs(specs: list[TensorSpec], batch: int = 2) -> Inputs:
     """Random inputs of ``specs`` (floats standard normal, integers 0 or 1, which any embedding takes; an input
-    named like an attention mask a valid one, :func:`valid_mask`): one tensor for an unnamed shape, else a dict by
-    name (the model is called with keywords)."""
+    named like an attention mask a valid one, :func:`valid_mask`; one named like lengths the whole length,
+    :func:`full_lengths`): one tensor for an unnamed shape, else a dict by name (the model is called with
+    keywords)."""
     arrays = random_inputs(specs, batch, hint="give every axis a size in --input-shape")
     arrays = {k: valid_mask(v) if is_mask_name(k) else v for k, v in arrays.items()}
+    arrays |= full_lengths(arrays)
     x = {k: torch.from_numpy(v) for k, v in arrays.items()}
     return x[SINGLE_INPUT] if [s.name for s in specs] == [SINGLE_INPUT] else x
+
+
+def full_lengths(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each integer ``[batch]`` or ``[batch, 1]`` input of ``arrays`` named like each row's length
+    (:func:`kiln.core.shapes.is_length_name`: ``lengths``, ``seq_len``), filled with the size of the axis it
+    measures, at most: the smallest axis of 2 or more besides the batch of the other inputs (a sequence's frames
+    beside its features, or its features where they are fewer: a length within every axis, which
+    ``pack_padded_sequence`` takes too). Lengths of 0 or 1 would mask every key but one, or all, and the parity
+    check would blame the model for the NaN its masked attention gives."""
+    out = {}
+    for name, value in arrays.items():
+        if not is_length_name(name) or value.dtype.kind not in "iu" or value.shape[1:] not in {(), (1,)}:
+            continue
+        sizes = [d for other, v in arrays.items() if other != name for d in v.shape[1:] if d >= 2]
+        if sizes:
+            out[name] = np.full_like(value, min(sizes))
+    return out
 
 
 def valid_mask(like: np.ndarray) -> np.ndarray:

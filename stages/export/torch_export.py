@@ -118,7 +118,7 @@ def export_with_fallback(
             cause = cause or known_cause(model, exc)
             if dynamo:
                 validation, refused = _in_distributions(exc), _with_cause(error_reason(exc), _causal_mask_cause(exc))
-                refused += _places(pinned)
+                refused += _places(pinned) or _batch_split(refused)
                 raised = _raised_at(exc)
                 took = time.perf_counter() - started
                 log.warning("dynamo exporter failed: %s (%.1f s); trying the TorchScript exporter", refused, took)
@@ -394,6 +394,20 @@ def _places(places: list[str]) -> str:
     none is known."""
     more = f" and {len(places) - 3} more" if len(places) > 3 else ""
     return f", at {', '.join(places[:3])}{more}" if places else ""
+
+
+def _batch_split(refused: str) -> str:
+    """What the dynamo exporter's failure (``refused``) leaves unsaid where it fixed the batch (axis 0) and torch's
+    log named no line (:func:`_places` is empty): an op that splits the batch into a fixed number of pieces
+    (classifier-free guidance's ``eps.chunk(2)`` after ``torch.cat([x, x])``) guards the batch to the example's,
+    which slicing by a size taken from the shape does not. Empty for another failure."""
+    if not refused.startswith(_FIXED_AXES) or " axis 0 (" not in refused:
+        return ""
+    return (
+        "; torch named no line: if the model splits the batch into a fixed number of pieces (chunk, split or unbind "
+        "over axis 0, as eps.chunk(2) after torch.cat([x, x])), that fixes it: slice instead (eps[:B], eps[B:] with "
+        "B = x.shape[0])"
+    )
 
 
 # The TorchScript tracer's warning where Python code reads a tensor's value (``if x.sum() > 0``, ``.item()``,

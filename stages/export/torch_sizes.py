@@ -105,9 +105,11 @@ def _sizes_hint(
     sizes alone, which would check no other size. ``uncut``: sizes Kiln makes from the held-out rows without cutting
     them that the model takes (:func:`_uncut_sizes`), suggested in place of the rows' own alone, which would lock
     the engine to one size; ``split_has``: the training split's rows have the size cut to, which is where that size
-    came from; ``fixed``: the fix already leads with removing the axis (:func:`_fixed_axis_error`), not said again."""
-    cut = {k: own[k] for k, v in point.items() if k in own and v < own[k] and v not in listed.get(k, ())}
-    given = ", ".join(f"{k}={v}" for k, v in point.items() if v in listed.get(k, ()) and v != own.get(k, v))
+    came from; ``fixed``: the fix already leads with removing the axis (:func:`_fixed_axis_error`), not said again.
+    A listed size below the rows' own is one Kiln cut them to as well, so it counts as cut: the model may take it on
+    whole rows of that size (a graph of that many nodes), which the cut rows are not."""
+    cut = {k: own[k] for k, v in point.items() if k in own and v < own[k]}
+    given = ", ".join(f"{k}={v}" for k, v in point.items() if v in listed.get(k, ()) and v > own.get(k, v))
     example = "{" + ", ".join(f"{k}: [{own.get(k, v)}]" for k, v in point.items()) + "}"
     if cut:
         return _cut_hint(point, cut, example, direct, uncut, split_has, fixed)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import onnx
 from kiln.core.artifacts import ensure_writable
 from kiln.core.errors import ModelError
 from kiln.core.graphsurgeon import gs
-from kiln.core.inputs import named_sizes
+from kiln.core.inputs import check_batch_axis, named_sizes
 from kiln.core.onnx_io import (
     check_onnx,
     check_tensor_io,
@@ -25,7 +27,7 @@ from kiln.core.onnx_io import (
     metadata_value,
     save_onnx,
 )
-from kiln.core.records import IntRange
+from kiln.core.records import IntRange, TensorSpec
 from kiln.core.shapes import axis_names, graph_axes, shapes_flag
 from kiln.core.text import short_reason
 from kiln.stages.optimize.catalog import resolve
@@ -79,8 +81,11 @@ def unrunnable_hint(
     ``signature.shapes`` for its named axes besides batch where the caller sizes them from it (``by_shapes``:
     ``kiln optimize FILE``), and ``optimize.verify_batch``, which sizes the batch and every axis ``sizes`` leaves
     out. An index past a table (ONNX Runtime's Gather "out of data bounds") is the integers' alone
-    (:func:`_past_table_hint`)."""
+    (:func:`_past_table_hint`). Inputs without a common batch axis come first (:func:`_no_batch_hint`)."""
     specs = io_specs(model)[0]
+    no_batch = _no_batch_hint(specs)
+    if no_batch:
+        return no_batch
     if "cannot be reshaped" in why:
         named = axis_names(specs)
         if by_shapes and named:  # a size the model's own arithmetic refuses (time // 4 frames of 2) is likelier
@@ -92,11 +97,12 @@ def unrunnable_hint(
     if integers and any(m in why.lower() for m in _PAST_TABLE):
         return _past_table_hint(model, integers, int_ranges)
     ranged = [n for n in integers if n in drawn_ranges(model, int_ranges)]
-    if len(ranged) < len(integers):
+    if _table_indices(model, [n for n in integers if n not in ranged]):
         fixes.append("set optimize.int_high below the smallest vocabulary / index range")
     named = axis_names(specs)
     if by_shapes and named:
-        fixes.append(f"give the sizes the model takes on {_axes(named)}: {shapes_flag(named)}")
+        sized = f"give the sizes the model takes on {_axes(named)}: {shapes_flag(named)}"
+        fixes.insert(0 if _SIZE_OPS.search(why) else len(fixes), sized)
     unsized = sorted({d for n, dims in axes.items() for a, d in dims.items() if a not in (sizes or {}).get(n, {})})
     takes = f"a size the batch and {_axes(unsized)} all take" if unsized else "a batch size the model takes"
     fixes.append(f"set optimize.verify_batch to {takes}")
@@ -106,6 +112,70 @@ def unrunnable_hint(
         source = "the values the data holds, export/int_ranges.json" if seen else "the rows of the tables indexed"
         hint += f" (optimize.int_high does not change {', '.join(repr(n) for n in ranged)}: drawn from {source})"
     return hint
+
+
+def _no_batch_hint(specs: list[TensorSpec]) -> str:
+    """The fix where the graph's inputs have no common batch axis (a graph network's ``x [nodes, 16]`` beside
+    ``edge_index [2, edges]``, :func:`kiln.core.inputs.check_batch_axis`): the safety net sizes every input's axis 0
+    as the batch, so its random inputs pair sizes the graph cannot take, and no setting of the random draw (a lower
+    ``optimize.int_high`` only checks a graph of a node or two) fixes that; the batch-of-one layout does. Empty where
+    the inputs share a batch axis."""
+    try:
+        check_batch_axis(specs, "the graph")
+    except ModelError as exc:
+        return (
+            f"{exc.message}, so the safety net's random inputs (batch on axis 0) pair sizes the graph cannot take: "
+            f"{exc.hint}; or set optimize.verify: false to rewrite without checking"
+        )
+    return ""
+
+
+# ONNX Runtime's error at an op that refuses an axis's size (a convolution or pooling window longer than the input)
+_SIZE_OPS = re.compile(r"running \w*(Conv|Pool)\w* node")
+
+# The ops that read positions given by their input 1 (indices)
+_INDEX_OPS = frozenset({"Gather", "GatherElements", "GatherND", "ScatterElements", "ScatterND"})
+
+
+def _table_indices(model: onnx.ModelProto, names: list[str]) -> set[str]:
+    """The inputs of ``names`` whose values index a table: those :func:`kiln.core.onnx_io.index_ranges` gives a
+    range, and those that reach, through any op but Shape/Size, the indices of an op reading a constant (an
+    embedding's ids, doubled or offset on the way). An integer mask, whose values the graph sums or compares, is not
+    one: a lower ``optimize.int_high`` does nothing for a model that fails on a size."""
+    graph = model.graph
+    consts = {i.name for i in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    producer = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for value in node.input:
+            readers.setdefault(value, []).append(node)
+    tables = index_ranges(model)
+    return {n for n in names if n in tables or _reaches_table(n, readers, lambda v: _constant(v, consts, producer))}
+
+
+def _reaches_table(start: str, readers: dict[str, list[onnx.NodeProto]], constant: Callable[[str], bool]) -> bool:
+    """Whether the values of ``start`` reach, through any op but Shape/Size, the indices (input 1) of an op of
+    :data:`_INDEX_OPS` whose data (input 0) is ``constant``."""
+    reached, todo = {start}, [start]
+    while todo:
+        value = todo.pop()
+        for node in readers.get(value, []):
+            if node.op_type in _INDEX_OPS and node.input[1:2] == [value] and constant(node.input[0]):
+                return True
+            new = [] if node.op_type in {"Shape", "Size"} else [o for o in node.output if o and o not in reached]
+            reached.update(new)
+            todo.extend(new)
+    return False
+
+
+def _constant(name: str, consts: set[str], producer: dict[str, onnx.NodeProto]) -> bool:
+    """Whether ``name`` is a constant of the graph, read through Cast, DequantizeLinear and Identity (an FP16 or INT8
+    table)."""
+    node = producer.get(name)
+    while name not in consts and node is not None and node.op_type in {"Cast", "DequantizeLinear", "Identity"}:
+        name = node.input[0]
+        node = producer.get(name)
+    return name in consts
 
 
 def _axes(names: list[str]) -> str:

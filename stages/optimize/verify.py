@@ -144,15 +144,19 @@ def axis_sizes(
 
 def _checkable(model: onnx.ModelProto) -> bytes | None:
     """``model`` as the checker reads it, serialized: its big initializers declared as graph inputs of their type
-    and shape (the checker judges the graph, not the weights; ONNX Runtime runs those). None for a model whose
-    graph alone is still too big to check in memory."""
+    and shape (the checker judges the graph, not the weights; ONNX Runtime runs those), those already listed as
+    inputs (an export with ``keep_initializers_as_inputs=True``) left as they are: the checker refuses a name listed
+    twice. None for a model whose graph alone is still too big to check in memory."""
     light, _ = light_model(model)
     stubs = [t for t in light.graph.initializer if _is_stub(t)]
     if stubs:
         kept = [t for t in light.graph.initializer if not _is_stub(t)]
         del light.graph.initializer[:]
         light.graph.initializer.extend(kept)
-        light.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in stubs)
+        listed = {i.name for i in light.graph.input}
+        light.graph.input.extend(
+            onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in stubs if t.name not in listed
+        )
     return light.SerializeToString() if model_bytes(light) < _CHECK_LIMIT else None
 
 

@@ -71,14 +71,15 @@ class LogOfInputs(nn.Module):
 
 
 class Packed(nn.Module):
-    """A GRU over each row's real steps (pack_padded_sequence): every length must be at least 1."""
+    """A GRU over each row's real steps (pack_padded_sequence): every count must be at least 1. Named ``counts``, not
+    like lengths, which direct export fills with the whole length."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb, self.gru = nn.Embedding(4, 8), nn.GRU(8, 8, batch_first=True)
 
-    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths, batch_first=True, enforce_sorted=False)
+    def forward(self, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), counts, batch_first=True, enforce_sorted=False)
         return self.gru(packed)[1][-1]
 
 
@@ -165,7 +166,7 @@ def test_outputs_nowhere_finite_on_the_configured_data_are_refused(tmp_path: Pat
 
 
 def test_random_values_a_model_rejects_are_named_as_what_it_may_reject(tmp_path: Path) -> None:
-    """Random lengths of 0 or 1 are shapes right and values wrong: the fix says so and asks for real inputs."""
-    shapes = ("--input-shape", "ids=20:int64", "--input-shape", "lengths=():int64")
+    """Random counts of 0 or 1 are shapes right and values wrong: the fix says so and asks for real inputs."""
+    shapes = ("--input-shape", "ids=20:int64", "--input-shape", "counts=():int64")
     result = _export("packed", tmp_path / "m.onnx", *shapes)
     one_error(result, "rejects the inputs --input-shape gives", "random values", "data.name")

@@ -51,3 +51,25 @@ def test_a_listed_size_the_model_cannot_take_is_named_though_another_axis_was_cu
 def test_a_cut_size_alone_at_fault_still_speaks_of_the_cutting() -> None:
     err = _error({"dlen": 6, "qlen": 40}, {})
     assert "signature.shapes lists" not in (err.hint or ""), err.hint
+
+
+class _Gather(nn.Module):
+    """A graph's node values [N, nodes] read at its edges' ends [N, edges]: it takes any number of nodes, but not a
+    graph cut to fewer nodes than its edges index."""
+
+    def forward(self, x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, edges).sum(1, keepdim=True)
+
+
+def test_a_listed_size_below_the_rows_own_speaks_of_the_cutting() -> None:
+    """signature.shapes lists nodes=4 beside held-out graphs of 8: Kiln cut them to 4 and kept edges to the nodes
+    it removed, so the fix says so rather than that the model does not take 4 nodes."""
+    rng = np.random.default_rng(0)
+    feed = {"x": rng.random((2, 8), dtype=np.float32), "edges": np.tile(np.arange(8, dtype=np.int64), (2, 2))[:, :12]}
+    axes = {"x": {1: "nodes"}, "edges": {1: "edges"}}
+    point = {"nodes": 4, "edges": 12}
+    like = {k: torch.from_numpy(v) for k, v in feed.items()}
+    with pytest.raises(ModelError) as err:
+        torch_at(_Gather().eval(), from_feed(resize(feed, axes, point), like), point, [feed] * 3, axes, {"nodes": [4]})
+    assert "signature.shapes lists" not in (err.value.hint or ""), err.value.hint
+    assert (err.value.hint or "").startswith("Kiln made that size by cutting the data's rows (its own: nodes=8)")
