@@ -7,7 +7,6 @@ taken (a last partial batch is dropped, with a warning), and :func:`in_batches` 
 
 from __future__ import annotations
 
-import itertools
 import json
 import keyword
 import logging
@@ -17,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from kiln.core.errors import InputFileError
-from kiln.core.records import TensorSpec
+from kiln.core.records import TensorSpec, fits, reordered
+from kiln.core.shapes import is_length_name
 
 log = logging.getLogger("kiln")
 Arrays = dict[str, np.ndarray]
@@ -143,7 +143,7 @@ def _check_array(
     want = [d if isinstance(d, int) and d >= 1 else None for d in spec.shape]
     if batched and want and want[0] and array.ndim == len(want) and len(array) and len(array) % want[0] == 0:
         want[0] = None  # whole batches of the fixed size, fed one at a time
-    shape_ok = _fits(array.shape, want)
+    shape_ok = fits(array.shape, want)
     if array.dtype == np.dtype(spec.dtype) and _only_the_fixed_batch_differs(want, array.shape):
         raise InputFileError(
             f"input '{spec.name}' in {source} has {array.shape[0]} rows; {taker} fixes its batch axis at {want[0]} "
@@ -168,15 +168,6 @@ def _check_array(
         )
 
 
-# the layouts a permutation of an image's axes turns one into the other: (the array's, the input's)
-_LAYOUTS = {
-    (0, 2, 3, 1): ("NCHW", "NHWC"),
-    (0, 3, 1, 2): ("NHWC", "NCHW"),
-    (0, 2, 3, 4, 1): ("NCDHW", "NDHWC"),
-    (0, 4, 1, 2, 3): ("NDHWC", "NCDHW"),
-}
-
-
 def _shape_fix(shape: tuple[int, ...], want: list[int | None], taker: str, npz: bool) -> str:
     """How an array of ``shape`` becomes one of ``want`` (None: any size) where only its axes' order or its batch
     axis differs, as the tail of a fix: `` (one sample without its batch axis: x[None])``, `` (it looks like NCHW,
@@ -185,32 +176,14 @@ def _shape_fix(shape: tuple[int, ...], want: list[int | None], taker: str, npz: 
     x = "x"
     if len(shape) == len(want) - 1 and want[0] in (None, 1):
         x, shape = "x[None]", (1, *shape)
-        if _fits(shape, want):
+        if fits(shape, want):
             return " (one sample without its batch axis: x[None])"
-    order = _permutation(shape, want)
-    if order is None:
+    found = reordered(shape, want, taker, x)
+    if found is None:
         return ""
-    axes = ", ".join(map(str, order))
-    torch = "" if npz else f"; a torch tensor: {x}.permute({axes})"
-    given, taken = _LAYOUTS.get(order, (None, None))
-    said = f"it looks like {given}, and {taker} takes {taken}" if given else "its axes are in another order"
-    return f" ({said}: {x}.transpose({axes}){torch})"
-
-
-def _permutation(shape: tuple[int, ...], want: Sequence[int | None]) -> tuple[int, ...] | None:
-    """The first order of ``shape``'s axes (the batch axis kept first where it can be) that gives sizes ``want``
-    takes; None where no order does, or ``shape`` has too many axes to try them all."""
-    if len(shape) != len(want) or len(shape) > 6:
-        return None
-    for order in itertools.permutations(range(len(shape))):
-        if _fits(tuple(shape[i] for i in order), want):
-            return order
-    return None
-
-
-def _fits(shape: tuple[int, ...], want: Sequence[int | None]) -> bool:
-    """Whether ``shape`` has the sizes ``want`` fixes (None: any)."""
-    return len(shape) == len(want) and all(w is None or w == d for w, d in zip(want, shape))
+    said, call = found
+    torch = "" if npz else f"; a torch tensor: {call.replace('.transpose(', '.permute(')}"
+    return f" ({said}: {call}{torch})"
 
 
 def _cast_fix(array: np.ndarray, dtype: np.dtype, npz: bool) -> str:
@@ -355,3 +328,46 @@ def _non_finite(array: np.ndarray) -> str:
     inf = int(np.isinf(array).sum())
     parts = [f"{nan} NaN" if nan else "", f"{inf} infinite" if inf else ""]
     return " and ".join(p for p in parts if p) + " values" if nan or inf else ""
+
+
+_INTEGER_DTYPES = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+
+
+def length_axes(inputs: Sequence[TensorSpec]) -> dict[str, tuple[str, int, str]]:
+    """Input -> the (input, axis, axis name) it holds each row's length along: an integer ``[batch]`` or
+    ``[batch, 1]`` input named like lengths (:func:`kiln.core.shapes.is_length_name`) beside inputs with the same
+    rows and exactly one named axis besides them (a sequence's ``frames``); none where there are several (which one
+    it measures is not known from an engine's inputs alone)."""
+    out: dict[str, tuple[str, int, str]] = {}
+    for spec in inputs:
+        if not is_length_name(spec.name) or spec.dtype not in _INTEGER_DTYPES or spec.shape[1:] not in ([], [1]):
+            continue
+        axes: dict[str, tuple[str, int, str]] = {}
+        for other in inputs:
+            if other.name == spec.name or other.shape[:1] != spec.shape[:1]:
+                continue
+            for axis, dim in enumerate(other.shape[1:], 1):
+                if isinstance(dim, str) and dim.isidentifier() and dim != spec.shape[0]:
+                    axes.setdefault(dim, (other.name, axis, dim))
+        if len(axes) == 1:
+            out[spec.name] = next(iter(axes.values()))
+    return out
+
+
+def overlong_lengths(inputs: Sequence[TensorSpec], feed: Mapping[str, np.ndarray]) -> str | None:
+    """Why a length input of ``feed`` (:func:`length_axes` of ``inputs``) holds a row longer than the axis it
+    measures is in this feed (a sentence naming the input, the row, the value and the axis's size), or None. A mask
+    built from it would reach past the padded positions, and an index from it past the axis (ONNX Runtime's error
+    then names a node of the graph, not the input). A length of 0 is left to the model: some take an empty row."""
+    for name, (other, axis, dim) in length_axes(inputs).items():
+        lengths, taken = feed.get(name), feed.get(other)
+        if lengths is None or taken is None or not lengths.size or taken.ndim <= axis:
+            continue
+        flat = lengths.reshape(len(lengths), -1)[:, 0] if lengths.ndim else lengths.reshape(1)
+        row, size = int(flat.argmax()), taken.shape[axis]
+        if flat[row] > size:
+            return (
+                f"input '{name}' holds {int(flat[row])} at row {row}: longer than the {size} positions of input "
+                f"'{other}' axis {axis} ({dim}) in this call, the axis it measures"
+            )
+    return None

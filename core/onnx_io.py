@@ -1168,6 +1168,53 @@ class _IndexGraph:
         return found.astype(np.int64).ravel() if np.issubdtype(found.dtype, np.integer) else None
 
 
+# the number of positions :class:`_FloorGraph` gives an axis the graph does not fix: past any size a call can have
+_OPEN = 2**62
+
+
+def index_floors(model: onnx.ModelProto) -> dict[str, int]:
+    """Graph input -> the smallest value it may hold, for an input :func:`index_ranges` gives no range because an
+    axis its values index has no size in the graph (a graph neural network's ``edge_index`` into a dynamic number of
+    nodes: ``index_select``, ``index_add_``, ``torch.gather``): 0, or what a constant added on the way leaves
+    (``ids - 1``: 1). The call's own data fixes the axis's end, but not its start: ONNX's index ops take a negative
+    index as counted from the end, where PyTorch's refuse it, so an engine would answer an index PyTorch refuses."""
+    fixed = _IndexGraph(model)
+    ranged = fixed.ranges()
+    graph = _FloorGraph(model)
+    graph._inferred = fixed._inferred  # shape inference runs once
+    floors: dict[str, int] = {}
+    for name, bounds in graph.ranges().items():
+        if name not in ranged:
+            columns = by_column(bounds, len(bounds)) or [whole_range(bounds)]
+            floors[name] = min(low for low, _ in columns)
+    return floors
+
+
+class _FloorGraph(_IndexGraph):
+    """An :class:`_IndexGraph` that takes an indexed axis of no size in the graph as :data:`_OPEN` positions: the
+    inputs that reach one get a range from their floor to past any call's axis (:func:`index_floors`)."""
+
+    def indexed(self, node: onnx.NodeProto) -> int | None:
+        found = super().indexed(node)
+        return found if found is not None or not self.open_axis(node) else _OPEN
+
+    def open_axis(self, node: onnx.NodeProto) -> bool:
+        """Whether input 1 of ``node`` (an op of :data:`_INDEXES`) indexes an axis of input 0 that has no size in
+        the graph (a Gather of a table of two or more dimensions, as :meth:`_IndexGraph.indexed` reads)."""
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        table = self.table(node.input[0]) if node.op_type == "Gather" else None
+        dims = table or self.shape(node.input[0])
+        if not dims or (node.op_type == "Gather" and len(dims) < 2):
+            return False
+        if node.op_type in {"GatherND", "ScatterND"}:
+            index = self.shape(node.input[1])
+            first, k = int(attrs.get("batch_dims", 0)), index[-1] if index else None
+            addressed = dims[first : first + k] if k else []
+            return bool(k) and len(addressed) == k and not all(addressed)
+        axis = int(attrs.get("axis", 0))
+        return -len(dims) <= axis < len(dims) and not dims[axis]
+
+
 def _keeps_integers(node: onnx.NodeProto) -> bool:
     """Whether ``node``'s output holds the integers of its first input: a reshape, or a Cast to int64 (a narrower
     one would wrap them)."""

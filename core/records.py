@@ -8,6 +8,7 @@ half-understood. ``SCHEMA_VERSION`` changes when a field changes meaning.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -192,6 +193,9 @@ class EngineMetadata(Record):
     # cell of its last fixed axes: IntRange) where they index tables of different sizes (a recommender's categorical
     # ids packed in one input)
     index_ranges: dict[str, IntRange] = Field(default_factory=dict)
+    # integer input -> the smallest value it may hold, where the axis it indexes has no size in the graph (a graph
+    # neural network's nodes: the call's data sets the end) and so no index_ranges (kiln.core.onnx_io.index_floors)
+    index_floors: dict[str, int] = Field(default_factory=dict)
     # how long the build took: in the build's summary, not written to kiln-engine.json, so that an identical rebuild
     # writes identical files and what follows it (validate, package) stays cached
     build_seconds: float = Field(0.0, exclude=True)
@@ -274,13 +278,25 @@ class EngineMetadata(Record):
                     f"{len(spec.shape)} ([{dims}])"
                 )
         fixed = self.fixed_axis(shapes)
-        return None if fixed is None else self.fixed_refusal(*fixed)
+        return None if fixed is None else self.fixed_refusal(*fixed, shape=shapes[fixed[0]])
 
-    def fixed_refusal(self, name: str, axis: int, size: int, fixed: int) -> str:
-        """The sentence refusing input ``name`` at ``size`` on an axis its graph fixes at ``fixed``."""
-        return (
+    def fixed_refusal(self, name: str, axis: int, size: int, fixed: int, shape: Sequence[int] = ()) -> str:
+        """The sentence refusing input ``name`` at ``size`` on an axis its graph fixes at ``fixed``; with the input's
+        ``shape``, also the order of its axes the engine takes where that is all that differs (:meth:`reordered`)."""
+        sentence = (
             f"input '{name}' axis {axis} is {size}: engine {self.name} takes {fixed} there (a fixed size of its graph)"
         )
+        found = self.reordered(name, shape)
+        return sentence if found is None else f"{sentence}; {found[0]}: {found[1]}"
+
+    def reordered(self, name: str, shape: Sequence[int]) -> tuple[str, str] | None:
+        """Where input ``name`` of ``shape`` has the fixed sizes the engine takes in another order of its axes (an
+        NHWC image given to an NCHW engine): what it looks like and the call that reorders it
+        (:func:`reordered`); else None."""
+        spec = next((s for s in self.inputs if s.name == name), None)
+        if spec is None or len(shape) != len(spec.shape):
+            return None
+        return reordered(shape, [d if isinstance(d, int) and d >= 1 else None for d in spec.shape], "the engine")
 
     def fixed_axis(self, shapes: dict[str, tuple[int, ...]]) -> tuple[str, int, int, int] | None:
         """The first axis of these shapes at a size other than the one the engine's graph fixes it at (an integer
@@ -395,13 +411,85 @@ class EngineMetadata(Record):
         and the range), or None."""
         found = first_outside(self.index_ranges, feed)
         if found is None:
-            return None
+            return self.below_floor(feed)
         name, value, (low, high), cell = found
         where = cell_text(name, cell)
         return (
             f"input '{name}' holds {value}{where}: engine {self.name} takes values from {low} to {high} "
             f"{'there ' if where else ''}(the positions of the axis it indexes: a table's rows, a graph's nodes)"
         )
+
+    def below_floor(self, feed: dict[str, Any]) -> str | None:
+        """Why an input holds a value below its :attr:`index_floors` (a sentence naming the input, the value, where
+        it lies and the floor), or None. ONNX's index ops count a negative index from the end of the axis, where
+        PyTorch's refuse it: unchecked, the engine would answer a call its model refuses."""
+        found = first_below(self.index_floors, feed)
+        if found is None:
+            return None
+        name, value, at, floor = found
+        return (
+            f"input '{name}' holds {value} at {name}[{', '.join(map(str, at))}]: engine {self.name} takes values "
+            f"from {floor} there (positions along an axis it indexes: a graph's nodes, counted from {floor})"
+        )
+
+
+def first_below(floors: dict[str, int], feed: dict[str, Any]) -> tuple[str, int | float, tuple[int, ...], int] | None:
+    """The first input of ``feed`` holding a value below its floor in ``floors``: its name, its least value, that
+    value's position and the floor; None when none is below. Floats are compared as a Cast to an integer truncates
+    them (-0.5 is 0). Inputs missing from ``feed`` or empty are not checked."""
+    for name, floor in floors.items():
+        array = feed.get(name)
+        if array is None or not getattr(array, "size", 0):
+            continue
+        if array.dtype.kind == "f":  # a NaN is no index: left to the graph
+            values = np.trunc(array)
+            if np.isnan(values).all():
+                continue
+            at = int(np.nanargmin(values))
+        else:
+            values, at = array, int(np.argmin(array))
+        if values.flat[at] < floor:
+            position = tuple(int(i) for i in np.unravel_index(at, array.shape))
+            return name, _number(array.flat[at].item()), position, floor
+    return None
+
+
+# the layouts a permutation of an image's axes turns one into the other: (the array's, the input's)
+_LAYOUTS = {
+    (0, 2, 3, 1): ("NCHW", "NHWC"),
+    (0, 3, 1, 2): ("NHWC", "NCHW"),
+    (0, 2, 3, 4, 1): ("NCDHW", "NDHWC"),
+    (0, 4, 1, 2, 3): ("NDHWC", "NCDHW"),
+}
+
+
+def reordered(shape: Sequence[int], want: Sequence[int | None], taker: str, x: str = "x") -> tuple[str, str] | None:
+    """Where an array of ``shape`` has the sizes ``want`` (None: any size) fixes in another order of its axes (an
+    NHWC image given to an NCHW model): what it looks like (``it looks like NHWC, and the engine takes NCHW``) and
+    the numpy call that reorders ``x`` (``x.transpose(0, 3, 1, 2)``); None where no order fits. A size refused on
+    one axis then has its fix in that order, not in a graph that lets the axis vary."""
+    order = _permutation(tuple(shape), want)
+    if order is None:
+        return None
+    given, taken = _LAYOUTS.get(order, (None, None))
+    said = f"it looks like {given}, and {taker} takes {taken}" if given else "its axes are in another order"
+    return said, f"{x}.transpose({', '.join(map(str, order))})"
+
+
+def _permutation(shape: tuple[int, ...], want: Sequence[int | None]) -> tuple[int, ...] | None:
+    """The first order of ``shape``'s axes (the batch axis kept first where it can be) that gives sizes ``want``
+    takes; None where no order does, or ``shape`` has too many axes to try them all."""
+    if len(shape) != len(want) or len(shape) > 6:
+        return None
+    for order in itertools.permutations(range(len(shape))):
+        if fits(tuple(shape[i] for i in order), want):
+            return order
+    return None
+
+
+def fits(shape: tuple[int, ...], want: Sequence[int | None]) -> bool:
+    """Whether ``shape`` has the sizes ``want`` fixes (None: any)."""
+    return len(shape) == len(want) and all(w is None or w == d for w, d in zip(want, shape))
 
 
 # Where in an input a value lies that its range per cell refuses: the cell's position along the input's last axes

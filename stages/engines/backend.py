@@ -24,6 +24,7 @@ from pydantic import BaseModel
 
 from kiln.core.artifacts import hash_file
 from kiln.core.errors import InputError, InputFileError
+from kiln.core.feeds import overlong_lengths
 from kiln.core.records import EngineMetadata, IntRange, PrecisionVariant, TensorSpec
 from kiln.core.sections import Section
 from kiln.core.signature import BATCH_AXIS
@@ -320,9 +321,13 @@ STEPS_HINT = (
     "padding the input to it"
 )
 VALUES_HINT = (
-    "pass indices within what the input indexes (kiln-engine.json: index_ranges): a class id or timestep within its "
-    "embedding's rows, a token id within the vocabulary (one past it: a tokenizer made for another model), a node "
-    "index within the graph's nodes"
+    "pass indices within what the input indexes (kiln-engine.json: index_ranges, index_floors): a class id or timestep "
+    "within its embedding's rows, a token id within the vocabulary (one past it: a tokenizer made for another model), "
+    "a node index within the graph's nodes, from 0 (PyTorch refuses a negative one)"
+)
+LENGTHS_HINT = (
+    "pass each row's length within the axis it measures (its real positions; the rest is padding), or pad that input "
+    "to the longest row; from Python, infer(feed, allow_outside_ranges=True) runs it unchecked"
 )
 INDEX_HINT = (
     "pass values within the rows of the table the input indexes (a class id or timestep within the embedding's rows, "
@@ -370,8 +375,9 @@ RANGES_HINT = (
 
 def check_feed(meta: EngineMetadata, feed: dict[str, Any], *, allow_outside_ranges: bool = False) -> None:
     """Every input the engine declares, as a numpy array of its dtype, rank and fixed sizes, none empty, each named
-    axis within the sizes the engine was validated for (unless ``allow_outside_ranges``); nothing else. One
-    :class:`InputError` naming the first input that differs, before any backend sees it."""
+    axis within the sizes the engine was validated for and each row's length within the axis it measures
+    (:func:`kiln.core.feeds.overlong_lengths`; both unless ``allow_outside_ranges``), each index within what it
+    indexes; nothing else. One :class:`InputError` naming the first input that differs, before any backend sees it."""
     if not isinstance(feed, Mapping):
         raise InputError(
             f"engine {meta.name} takes a dict of input name -> array, not a {type(feed).__name__}",
@@ -399,14 +405,27 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any], *, allow_outside_rang
     shapes = {k: v.shape for k, v in feed.items()}
     fixed = meta.fixed_axis(shapes)
     if fixed is not None:
-        raise InputError(meta.fixed_refusal(*fixed), hint=fixed_hint(*fixed, pinned=pinned_at_export(meta, *fixed[:2])))
+        raise InputError(meta.fixed_refusal(*fixed, shape=shapes[fixed[0]]), hint=_fixed_fix(meta, fixed, shapes))
     empty = meta.empty_axis(shapes)  # an empty batch aborts ONNX Runtime's LSTM/GRU kernels, and the process
     if empty is not None:
         raise InputError(meta.empty_refusal(*empty), hint=empty_hint(*empty, ranged=str(empty[2]) in meta.axis_ranges))
     check_sizes(meta, shapes, allow_outside_ranges)
+    overlong = None if allow_outside_ranges else overlong_lengths(meta.inputs, feed)
+    if overlong is not None:
+        raise InputError(overlong, hint=LENGTHS_HINT)
     outside = meta.outside_values(feed)
     if outside is not None:
         raise InputError(outside, hint=VALUES_HINT)
+
+
+def _fixed_fix(meta: EngineMetadata, fixed: tuple[str, int, int, int], shapes: dict[str, tuple[int, ...]]) -> str:
+    """The fix for an input refused on an axis its graph fixes (:meth:`EngineMetadata.fixed_axis`): its axes
+    reordered where only their order differs (an NHWC image given to an NCHW engine: a dynamic channel axis would not
+    help), else :func:`fixed_hint`."""
+    found = meta.reordered(fixed[0], shapes[fixed[0]])
+    if found is not None:
+        return f"pass '{fixed[0]}' with its axes in the engine's order: {found[1]}"
+    return fixed_hint(*fixed, pinned=pinned_at_export(meta, *fixed[:2]))
 
 
 def pinned_at_export(meta: EngineMetadata, name: str, axis: int) -> bool:

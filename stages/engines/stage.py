@@ -20,7 +20,7 @@ from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_json
 from kiln.core.errors import BuildError, ConfigError, KilnError, ModelError
 from kiln.core.inputs import check_batch_fits, largest_sizes, random_inputs
-from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx, ort_session
+from kiln.core.onnx_io import check_tensor_io, index_floors, index_ranges, io_specs, load_onnx, ort_session
 from kiln.core.ownership import held
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import EngineMetadata, EngineSource, IntRange, Variants, by_column, whole_range
@@ -141,6 +141,7 @@ def build_engine(
             axis_steps=built.builder_settings.get("axis_steps")
             or {k: v for k, v in (axis_steps or {}).items() if k in named},
             index_ranges=_index_ranges(graph, taken, int_ranges or {}),
+            index_floors=_index_floors(graph, taken, int_ranges or {}),
             builder_settings=built.builder_settings,
             backend_info=built.info.model_dump(mode="json"),
             build_seconds=round(time.perf_counter() - t0, 3),
@@ -186,6 +187,15 @@ def _index_ranges(graph: Any, taken: list[Any], data: dict[str, IntRange]) -> di
         lows = per_data or [whole_range(seen) if seen else None] * len(columns)
         out[name] = [_from_data_low(column, low) for column, low in zip(columns, lows)]
     return out
+
+
+def _index_floors(graph: Any, taken: list[Any], data: dict[str, IntRange]) -> dict[str, int]:
+    """The smallest value each input that indexes an axis of no fixed size may hold
+    (:func:`kiln.core.onnx_io.index_floors`: 0 for a graph neural network's node ids), or the data's own smallest
+    where it goes lower (a model whose data counts from the end)."""
+    names = {s.name for s in taken}
+    floors = {name: floor for name, floor in index_floors(graph).items() if name in names}
+    return {name: min(floor, whole_range(data[name])[0]) if data.get(name) else floor for name, floor in floors.items()}
 
 
 def _from_data_low(bounds: list[int], data: list[int] | None) -> list[int]:
