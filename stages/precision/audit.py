@@ -727,14 +727,17 @@ def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
     shape arithmetic onnx's inference leaves unknown; {} where it fails. Its steps are run here rather than its
     ``infer_shapes``, which writes a model file into the working directory when a shape stays unknown. Its own
     warnings (an index whose sign it cannot tell) are about its arithmetic, not the user's model: debug only."""
-    said = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
-    level = said.level
-    said.setLevel(logging.ERROR)
     try:
         # by way of onnxruntime.transformers, which imports the same module as ONNX Runtime's own fusions do:
         # onnxruntime.tools' package imports torch where it is installed (seconds, for a file's audit)
         from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInference
-
+    except ImportError as exc:
+        log.debug("symbolic shape inference not available: %s", exc)
+        return {}
+    said = logging.getLogger(SymbolicShapeInference.__module__)  # its module's logger, by the name it came in by
+    level = said.level
+    said.setLevel(logging.ERROR)
+    try:
         bare = onnx.ModelProto()
         bare.CopyFrom(model)
         del bare.graph.value_info[:]
