@@ -75,7 +75,8 @@ def compare_all(
     per_row: bool = True,
     levels: Collection[str] | None = None,
 ) -> dict[str, OutputStats]:
-    """Every output of the reference against the candidate's output of the same name; top-1 agreement only on
+    """Every output of the reference against the candidate's output of the same name (each side's outputs the
+    other's too: an output served and never compared is refused, as one missing is); top-1 agreement only on
     the class-logit output (on a hidden state it would be noise), and with per-position labels only over the
     labelled positions (``where``: a token classifier's padding carries no label and no answer anyone reads);
     without them, over a dense head's positions only those the reference is confident at, and never a padded one
@@ -97,6 +98,12 @@ def compare_all(
         raise ModelError(
             f"the engine has no output {missing} (it has {sorted(got)})",
             hint=mismatch_hint,
+        )
+    unchecked = sorted(set(got) - set(ref))
+    if unchecked:  # an output the engine serves that nothing would compare: refused as the reverse is
+        raise ModelError(
+            f"the reference has no output {unchecked} that the engine serves (the reference has {sorted(ref)})",
+            hint=f"give a reference with every output the engine has: {mismatch_hint}",
         )
     counted = [n for n in ref if n in got and _only_rows_differ(ref[n], got[n])]
     if counted:  # a count the values decide (torch.nonzero, NMS) came out otherwise: the answers differ
@@ -553,6 +560,17 @@ def batched(fn: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int)
     return {k: np.concatenate([np.atleast_1d(p[k]) for p in parts]) for k in parts[0]}
 
 
+def one_call_shape(output: np.ndarray, rows: int) -> list[int]:
+    """The shape of ``output`` as one call on all ``rows`` samples gives it: a time-major ``[T, N, C]`` run in
+    batches (:func:`batched`) has them stacked along T (``[calls * T, batch, C]``), said as ``[T, rows, C]``; any
+    other output as it is."""
+    shape = [int(d) for d in output.shape]
+    if len(shape) != 3 or shape[0] == rows or not 0 < shape[1] <= rows:
+        return shape
+    calls = -(-rows // shape[1])
+    return [shape[0] // calls, rows, shape[2]] if shape[0] % calls == 0 else shape
+
+
 def sample_batch(x: Any, batch: int) -> Any:
     """``batch`` rows of ``x`` (an array or a feed), repeating its rows when it has fewer."""
     if isinstance(x, dict):
@@ -992,9 +1010,6 @@ class Reference:
         ]
         if not missed:
             return
-        i, y = missed[0], self.point_labels[missed[0]]
-        logits = self.outputs[i][self.logits]
-        positions = list(np.delete(np.array(logits.shape), class_axis(logits.ndim) % logits.ndim))
         if self.score is not None and self.score not in missed:
             log.warning(
                 "the held-out labels do not follow the positions of class logits '%s' at %s: top-1 agreement "
@@ -1005,7 +1020,11 @@ class Reference:
             )
             self.point_labels = [None if j in missed else y for j, y in enumerate(self.point_labels)]
             return
-        rows = f"; their rows are not the samples, {len(y)}" if len(y) != len(logits) else ""
+        # said at the shape the labels belong to (the data's own sizes, where scored), as one call on every row
+        i = self.score if self.score is not None else missed[-1]
+        y, shape = self.point_labels[i], one_call_shape(self.outputs[i][self.logits], feed_rows(self.feeds[i][1]))
+        positions = list(np.delete(np.array(shape), class_axis(len(shape)) % len(shape)))
+        rows = f"; their rows are not the samples, {len(y)}" if len(y) != shape[0] else ""
         log.warning(
             "the held-out labels %s%s do not follow the positions of class logits '%s' %s (they take labels "
             "%s%s): no task accuracy is measured, and top-1 agreement counts every position the reference is "
@@ -1013,7 +1032,7 @@ class Reference:
             y.dtype,
             list(y.shape),
             self.logits,
-            list(logits.shape),
+            shape,
             positions,
             rows,
         )
@@ -1571,6 +1590,9 @@ def top1_output(
         loud = data.classification and (width <= 2 * data.num_classes or width == 1)
     else:
         return logits
+    if output is not None and output.dtype.kind != "f":  # class ids (an argmax), flags: answers, not class scores
+        log.info("output '%s' holds %s values: %s", logits, output.dtype, held_as(output))
+        return None
     log.log(
         logging.WARNING if loud else logging.INFO,
         "output '%s' is not held to top-1 agreement or scored for accuracy: it is the class-logit output by default "
@@ -1601,11 +1623,25 @@ def _say_no_object(logits: str, width: int, num_classes: int) -> None:
     )
 
 
-def direct_top1(names: list[str], setting: str | int | None) -> str | None:
+def direct_top1(
+    names: list[str], setting: str | int | None, outputs: dict[str, np.ndarray] | None = None
+) -> str | None:
     """The output the direct commands (``kiln validate ENGINE``, ``kiln precision FILE``) hold to top-1 agreement:
     their inputs carry no labels, so as in a run on data that declares no classes, the one
-    ``signature.logits_output`` names (a config, or ``--set``) and none by default (:func:`top1_output`)."""
-    return top1_output(logits_name(names, setting), None, named=setting is not None)
+    ``signature.logits_output`` names (a config, or ``--set``) and none by default (:func:`top1_output`, which
+    reads the default's values in the reference's ``outputs``, where given: integer ones hold no class scores)."""
+    name = logits_name(names, setting)
+    output = None if outputs is None or name is None else outputs.get(name)
+    return top1_output(name, None, named=setting is not None, output=output)
+
+
+def held_as(output: np.ndarray) -> str:
+    """How an integer or boolean output is compared, in words: by its error where it holds levels of a quantity
+    (:func:`~kiln.core.compare.integer_levels`: pixel values), else value for value (class ids, flags), to the
+    share of its values equal to the reference's."""
+    if integer_levels(output) is not None:
+        return "levels of a quantity, held to their error as float outputs are"
+    return "held to the share of its values equal to the reference's (class ids, flags: answers, not scores)"
 
 
 def own_feed(data: DatasetSplits, feeds: list[tuple[dict[str, int], Feed]], n: int) -> Feed:

@@ -113,7 +113,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     refs = [reference_outputs(reference, feed, cfg, b, loaded, random=inputs is None) for feed, b in checks]
     gots, times = _run(engine_dir, meta, checks, parts, cfg)
     setting = _logits_setting(cfg, meta, list(refs[0]))
-    logits = direct_top1(list(refs[0]), setting)
+    logits = direct_top1(list(refs[0]), setting, refs[0])
     entry = EngineValidation.of(meta, "validated")
     decisions = _recorded_decisions(meta, logits)
     kept, unmeasured = _compared(meta, [feed for feed, _ in checks], refs, gots, logits, decisions)
@@ -124,6 +124,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     entry.batch_sizes = sorted(times)
     sizes = [_named_sizes(meta, feed) for feed, _ in checks]
     entry.shapes = [size for i, size in enumerate(sizes) if size and size not in sizes[:i]]
+    _say_unvalidated_ranges(meta, sizes)
     entry.failures = check_gates(entry, None, entry.gates, max(times)) + unmeasured
     entry.passed = not entry.failures
     entry.hints = [NO_FINITE_FIX] if unmeasured else []
@@ -355,6 +356,29 @@ def _say_no_top1(
     else:
         why = f"{len(names)} outputs ({', '.join(names)}), none named '{SINGLE_OUTPUT}'"
     log.warning("no top-1 agreement: %s; %s (%s)", why, COMPARED_BY, fix)
+
+
+def _say_unvalidated_ranges(meta: EngineMetadata, sizes: list[dict[str, int]]) -> None:
+    """Warn of each dynamic axis whose range the engine accepts (``axis_ranges`` of its record) reaches past the
+    sizes compared here (``sizes``: each check's): servers and ``infer`` take those sizes, which this command has not
+    held to the reference; ``signature.shapes`` set to the range validates at its ends, the inputs resized."""
+    wider = {}
+    for dim, (low, high) in sorted(meta.axis_ranges.items()):
+        seen = sorted({size[dim] for size in sizes if dim in size})
+        if seen and (seen[0] > low or seen[-1] < high):
+            wider[dim] = (low, high, seen)
+    if not wider:
+        return
+    accepts = ", ".join(f"{d} {lo}..{hi}" for d, (lo, hi, _) in wider.items())
+    validated = ", ".join(f"{d} {'/'.join(map(str, seen))}" for d, (_, _, seen) in wider.items())
+    ranges = " ".join(f"--set signature.shapes.{d}=[{lo},{hi}]" for d, (lo, hi, _) in wider.items())
+    log.warning(
+        "the engine accepts %s, validated here only at %s: sizes it serves were not compared with the reference. "
+        "Give --inputs at the range's ends, or %s to validate there (the inputs resized)",
+        accepts,
+        validated,
+        ranges,
+    )
 
 
 def _say_padding_ties(

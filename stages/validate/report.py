@@ -510,9 +510,38 @@ def _compared(v: ValidationResult) -> list[str]:
     return [
         "",
         f"Compared outputs: {', '.join(b.compared)} (error and cosine per output, the worst gated{free}); {logits}."
+        + _equal_values_note(v)
         + (f" Dynamic axes validated at: {shapes}{_padded(b)}." if shapes else "")
         + _coupled(v),
     ]
+
+
+def equal_value_outputs(v: ValidationResult) -> list[str]:
+    """The outputs compared value for value (integer class ids, flags: no cosine, a share of equal values kept in
+    the agreement's place, :func:`kiln.stages.accuracy.check.compare_all`), in their order."""
+    validated = [e for e in v.engines if e.status == "validated"]
+    return [
+        n
+        for n in v.baseline.compared
+        if any(
+            e.outputs.get(n, {}).get("cosine", 0) is None and e.outputs[n].get("top1_agreement") is not None
+            for e in validated
+        )
+    ]
+
+
+def _equal_values_note(v: ValidationResult) -> str:
+    """The gate of the integer outputs (class ids, flags), which the summary table has no column for: the share of
+    their values equal to the reference's, held to ``min_top1_agreement``, in place of a cosine."""
+    names = equal_value_outputs(v)
+    if not names:
+        return ""
+    one = len(names) == 1
+    return (
+        f" {', '.join(repr(n) for n in names)} hold{'s' if one else ''} integers (class ids, flags): held to the "
+        f"share of {'its' if one else 'their'} values equal to the reference's (`min_top1_agreement`) in place of a "
+        "cosine, which the table leaves empty."
+    )
 
 
 def _without_class_logits(b: Any) -> str:
@@ -592,6 +621,8 @@ def _measured_on_logits(v: ValidationResult) -> str:
     missing = []
     if not top1:
         why = "no engine was validated here" if not validated else ONE_VALUE_PER_ROW
+        if b.logits_output in equal_value_outputs(v):
+            why = "it holds integers, no class scores"
         missing.append(f"no top-1 agreement ({why})")
     if b.accuracy is None:
         missing.append(f"no task accuracy ({b.accuracy_note or 'no labels fit it'})")
