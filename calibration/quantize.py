@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -225,6 +226,11 @@ def per_channel_graph(
     return raised, cfg
 
 
+# ORT's quantizer types a tensor that shape inference leaves untyped (one a contrib op such as com.microsoft Gelu
+# writes) as float: the graphs Kiln quantizes compute in float, and without it quantize_dynamic refuses them
+UNTYPED_AS_FLOAT = {"DefaultTensorType": onnx.TensorProto.FLOAT}
+
+
 def quantize_int8(
     model_path: Path, out_path: Path, ranges: Ranges, cfg: CalibrationConfig, extra_exclude: Iterable[str] = ()
 ) -> dict[str, Any]:
@@ -261,6 +267,7 @@ def quantize_int8(
                 calibrate_method=_ort_method(ranges.method),
                 use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
                 extra_options={
+                    **UNTYPED_AS_FLOAT,
                     "ActivationSymmetric": cfg.symmetric_activations,
                     "WeightSymmetric": True,
                     "QuantizeBias": cfg.quantize_bias,
@@ -268,11 +275,7 @@ def quantize_int8(
                 calibration_cache_path=str(cache_path),
             )
     except Exception as exc:  # ORT's quantizer raises plain exceptions on graphs it cannot quantize
-        raise ModelError(
-            f"onnxruntime.quantization.quantize_static failed ({type(exc).__name__}: {str(exc)[:300]})",
-            hint="keep the node it names in float (calibration.exclude_nodes), or drop int8 from "
-            "precision.variants (the other variants are still built)",
-        ) from None
+        raise quantizer_failed("quantize_static", exc, model, "int8") from None
     q = _float_outputs_at(out_path, model)
     counts = {op: sum(n.op_type == op for n in q.graph.node) for op in ("QuantizeLinear", "DequantizeLinear")}
     log.info(
@@ -400,14 +403,16 @@ def quantize_fp8(
                 weight_type=QuantType.QFLOAT8E4M3FN,
                 nodes_to_exclude=exclude,
                 calibrate_method=_ort_method("distribution"),
-                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+                extra_options={
+                    **UNTYPED_AS_FLOAT,
+                    "ActivationSymmetric": True,
+                    "WeightSymmetric": True,
+                    "QuantizeBias": False,
+                },
                 calibration_cache_path=str(cache_path),
             )
     except Exception as exc:  # ORT's quantizer raises plain exceptions on graphs it cannot quantize
-        raise ModelError(
-            f"onnxruntime.quantization.quantize_static (FP8) failed ({type(exc).__name__}: {str(exc)[:300]})",
-            hint="keep the node it names in float (calibration.exclude_nodes), or drop fp8 from precision.variants",
-        ) from None
+        raise quantizer_failed("quantize_static (FP8)", exc, model, "fp8") from None
     q = _float_outputs_at(out_path, model)
     counts = {op: sum(n.op_type == op for n in q.graph.node) for op in ("QuantizeLinear", "DequantizeLinear")}
     log.info("fp8: %d Q / %d DQ nodes, %d nodes kept in float", *counts.values(), len(exclude))
@@ -539,13 +544,10 @@ def quantize_int8_dynamic(
             reduce_range=seven_bits,
             nodes_to_exclude=sorted(exclude),
             use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
+            extra_options=UNTYPED_AS_FLOAT,
         )
     except Exception as exc:  # ORT's quantizer raises plain exceptions on graphs it cannot quantize
-        raise ModelError(
-            f"onnxruntime.quantization.quantize_dynamic failed ({type(exc).__name__}: {str(exc)[:300]})",
-            hint="keep the node it names in float (calibration.exclude_nodes), or drop int8 from "
-            "precision.variants (the other variants are still built)",
-        ) from None
+        raise quantizer_failed("quantize_dynamic", exc, model, "int8") from None
     q = onnx.load(str(out_path), load_external_data=False)
     if sort_with_subgraphs(q):
         onnx.save_model(q, str(out_path))
@@ -573,6 +575,51 @@ def quantize_int8_dynamic(
         "excluded": sorted(exclude),
         "reduce_range": seven_bits,
     }
+
+
+def quantizer_failed(call: str, exc: Exception, model: onnx.ModelProto, variant: str) -> ModelError:
+    """The error for ORT's quantizer failing on ``model`` (``call``: the function that raised ``exc``): its message
+    in whole sentences, and each tensor or node it quotes as the node to keep in float (a tensor by the node that
+    writes it), so the fix names what calibration.exclude_nodes takes."""
+    nodes = quoted_nodes(str(exc), model)
+    keep = (
+        f"keep {', '.join(f'{n} ({why})' for n, why in nodes.items())} in float: "
+        f"--set 'calibration.exclude_nodes=[{', '.join(nodes)}]'"
+        if nodes
+        else "keep the node it names in float (calibration.exclude_nodes)"
+    )
+    return ModelError(
+        f"onnxruntime.quantization.{call} failed ({type(exc).__name__}: {whole_sentences(str(exc))})",
+        hint=f"{keep}, or drop {variant} from precision.variants (the other variants are still built)",
+    )
+
+
+def quoted_nodes(text: str, model: onnx.ModelProto) -> dict[str, str]:
+    """Node name -> how ``text`` names it, for each name quoted in ``text`` that is a node of ``model`` or a tensor
+    one of its nodes writes (ORT's quantizer names tensors, calibration.exclude_nodes takes nodes)."""
+    named = {n.name for n in _nodes(model.graph) if n.name}
+    writers = {out: n.name for n in _nodes(model.graph) if n.name for out in n.output}
+    found: dict[str, str] = {}
+    for name in re.findall(r"'([^'\s]+)'", text):
+        if name in named:
+            found.setdefault(name, "named in the error")
+        elif name in writers:
+            found.setdefault(writers[name], f"writes tensor '{name}'")
+    return found
+
+
+def whole_sentences(text: str, limit: int = 300) -> str:
+    """``text`` on one line, cut after its last whole sentence within ``limit`` characters (else at a word, with
+    "..."): a library's long error keeps the sentences that name the problem and ends on no half word."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    kept = ""
+    for sentence in re.split(r"(?<=[.!?])\s+", text):
+        if len(kept) + len(sentence) + 1 > limit:
+            break
+        kept = f"{kept} {sentence}".strip()
+    return kept or text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def int8_tables(model: onnx.ModelProto) -> list[str]:

@@ -4,6 +4,7 @@ sequence length and wrong at another cannot pass."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
@@ -18,6 +19,10 @@ if TYPE_CHECKING:  # kiln.core.data imports torch; the graph stages need none of
     from kiln.core.data import Feed
 
 Axes = Mapping[str, Mapping[int, str]]
+
+log = logging.getLogger("kiln")
+# (input, axis) pairs :func:`unnamed_lengths` has warned of: resize runs per batch and size, the warning once
+_SAID_UNNAMED: set[tuple[str, str]] = set()
 
 # How far each repeated copy of a float input moves from the one before it, as a share of the input's spread: far
 # above float rounding, so a model's scores on a copy tie with none on the data (a detector's top-k peaks, which
@@ -60,7 +65,9 @@ def refuse_unknown_axes(shapes: Iterable[str], names: list[str]) -> None:
 
 def axis_sizes(feeds: list[Feed], axes: Axes, configured: Mapping[str, list[int]]) -> dict[str, list[int]]:
     """Dynamic axis name -> sizes to validate at: ``configured`` where given, else the smallest and largest
-    size of the axis over ``feeds`` (the splits); a single size ``L`` in the data gives ``L // 2`` and ``L``."""
+    size of the axis over ``feeds`` (the splits); a single size ``L`` in the data gives ``L // 2`` and ``L``. An
+    input that looks like each row's length along an axis but is not named like one is warned of
+    (:func:`_say_unnamed_lengths`): resizing leaves it as it is."""
     names = sorted({d for a in axes.values() for d in a.values()} - {"batch"})
     unknown = sorted(set(configured) - set(names))
     if unknown:
@@ -77,6 +84,7 @@ def axis_sizes(feeds: list[Feed], axes: Axes, configured: Mapping[str, list[int]
             f[i].shape[int(ax)] for f in feeds for i, a in axes.items() if i in f for ax, d in a.items() if d == name
         }
         sizes[name] = two_sizes(min(seen), max(seen))
+    _say_unnamed_lengths(feeds, axes, sizes)
     return sizes
 
 
@@ -187,6 +195,53 @@ def length_inputs(feed: Feed, axes: Axes, point: Mapping[str, int]) -> dict[str,
         if len(fits) == 1:
             found[name] = fits[0]
     return found
+
+
+def unnamed_lengths(feeds: list[Feed], axes: Axes, labels: Iterable[str]) -> dict[str, str]:
+    """Input -> the dynamic axis (of ``labels``) it looks like it holds each row's length along, for an input
+    :func:`length_inputs` does not take because of its name (``n_frames``): integer, one value per row (``[N]``), on
+    no dynamic axis itself, in every feed (the data's splits) within 1..the axis's size for that one axis alone, and
+    the axis's size in at least one row."""
+    fits: dict[str, set[str]] = {}
+    reached: set[str] = set()
+    for feed in feeds:
+        for name, value in feed.items():
+            value = np.asarray(value)
+            if name in axes and axes[name] or is_length_name(name) or value.dtype.kind not in "iu" or value.ndim != 1:
+                continue
+            ok = {label for label in labels if value.size and value.min() >= 1 and _measures(feed, axes, label, value)}
+            fits[name] = fits.get(name, ok) & ok
+            reached |= {name} if any(value.max() == _size(feed, axes, label) for label in ok) else set()
+    return {name: next(iter(on)) for name, on in fits.items() if len(on) == 1 and name in reached}
+
+
+def _size(feed: Feed, axes: Axes, label: str) -> int:
+    """The size axis ``label`` has in ``feed`` (its first input on it)."""
+    return next(
+        np.shape(feed[n])[int(i)] for n, dims in axes.items() if n in feed for i, d in dims.items() if d == label
+    )
+
+
+def _say_unnamed_lengths(feeds: list[Feed], axes: Axes, sizes: Mapping[str, list[int]]) -> None:
+    """Warn, once per input and axis, of an input that looks like each row's length along an axis validation resizes
+    to ``sizes`` other than the data's (:func:`unnamed_lengths`) but is not named like one: it is left as it is, so
+    its rows claim lengths the resized inputs do not have, and nothing else shows it."""
+    for name, label in unnamed_lengths(feeds, axes, sizes).items():
+        own = {_size(f, axes, label) for f in feeds if name in f}
+        if set(sizes[label]) <= own or (name, label) in _SAID_UNNAMED:
+            continue
+        _SAID_UNNAMED.add((name, label))
+        log.warning(
+            "input '%s' holds one integer per row, up to %d (the data's size of the axis), like each row's length "
+            "along axis %s, but is not named like lengths: validation resizes %s to %s and leaves it as it is, so "
+            "rows claim lengths their inputs do not have; rename it to end in len, lens, length or lengths "
+            "(docs/byom.md) for Kiln to resize it with the axis",
+            name,
+            max(own),
+            label,
+            label,
+            sizes[label],
+        )
 
 
 def _measures(feed: Feed, axes: Axes, label: str, lengths: np.ndarray) -> bool:

@@ -40,6 +40,7 @@ from kiln.stages.package.triton import (
     first_axes,
     stock_model,
     triton_config,
+    unbatchable_reason,
     write_python_model,
     write_stock_model,
 )
@@ -82,6 +83,7 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
     ray_apps: list[dict[str, Any]] = []
     capped: list[EngineMetadata] = []
     own_counts: list[EngineMetadata] = []
+    unbatched: list[EngineMetadata] = []
     for engine_dir in engine_dirs(ctx.inputs["build"]):
         meta = read_metadata(engine_dir)
         result = results.get(meta.name)
@@ -95,6 +97,7 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             meta.write(packaged_dir / SIDECAR)
         capped += [meta] if _capped(meta, cfg.max_batch_size) else []
         own_counts += [meta] if len(first_axes(meta)) > 1 else []
+        unbatched += [meta] if (cfg.triton or cfg.triton_python) and _unbatched(meta) else []
         record: dict[str, Any] = {
             "engine": meta.name,
             "validation": result.model_dump(
@@ -118,6 +121,7 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
         _say_batch_limit(ctx, capped, cfg.max_batch_size, asked="max_batch_size" in cfg.model_fields_set)
     if own_counts:
         _say_own_counts(ctx, own_counts)
+    _say_unbatched(ctx, unbatched)
     if ray_apps:
         rayserve.write_serve_config(ctx.out / "ray", ray_apps, cfg.ray)
     if cfg.kserve.enabled and any("triton_model" in m for m in packaged):
@@ -131,6 +135,27 @@ def _capped(meta: EngineMetadata, requested: int) -> bool:
     """Whether ``package.max_batch_size`` is more than the engine was validated for: it is served with less."""
     limit = meta.validated_max_batch()
     return limit is not None and requested > limit and batchable(meta)
+
+
+def _unbatched(meta: EngineMetadata) -> bool:
+    """Whether Triton serves ``meta``'s engine unbatched (:func:`batchable`) for a reason not said apart: inputs in
+    counts of their own are (:func:`_say_own_counts`)."""
+    return not batchable(meta) and len(first_axes(meta)) <= 1
+
+
+def _say_unbatched(ctx: StageContext[PackageSettings], metas: list[EngineMetadata]) -> None:
+    """Warn of the engines written to a Triton repository unbatched (``max_batch_size: 0``, no dynamic batching),
+    once per reason, with why and what would batch them (:func:`unbatchable_reason`): every request then runs alone,
+    which a config that looks like any other does not show."""
+    by_reason: dict[str, list[str]] = {}
+    for meta in metas:
+        by_reason.setdefault(unbatchable_reason(meta) or "", []).append(meta.name)
+    for reason, names in by_reason.items():
+        ctx.log.warning(
+            "%s: packaged for Triton unbatched (max_batch_size 0, no dynamic batching; each request runs alone): %s",
+            ", ".join(names),
+            reason,
+        )
 
 
 def _say_batch_limit(
