@@ -40,6 +40,16 @@ def graph_axes(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:
     return {k: v for k, v in out.items() if v}
 
 
+def graph_axes_with(configured: Axes | None, specs: list[TensorSpec]) -> Axes:
+    """The graph's own dynamic axes besides batch (:func:`graph_axes`) with ``configured``
+    (``signature.dynamic_axes``) laid over them axis by axis: a user who names one axis the file left unnamed
+    keeps the names the file gives the rest."""
+    merged = {name: dict(dims) for name, dims in graph_axes(specs).items()}
+    for name, dims in (configured or {}).items():
+        merged.setdefault(name, {}).update(dims)
+    return merged
+
+
 def axis_names(specs: list[TensorSpec]) -> list[str]:
     """The names of the dynamic axes besides batch an ONNX graph declares (:func:`graph_axes`), sorted."""
     return sorted({d for axes in graph_axes(specs).values() for d in axes.values()})

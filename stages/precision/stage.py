@@ -30,7 +30,7 @@ from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
 from kiln.core.output_names import class_logits
 from kiln.core.progress import Progress
 from kiln.core.records import PrecisionVariant, TensorSpec, Variants
-from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points
+from kiln.core.shapes import Axes, axis_sizes, graph_axes_with, resize, shape_points
 from kiln.core.stage import StageContext
 from kiln.models.model_io import on_random_inputs, torch_model_named
 from kiln.stages.accuracy.check import held_out, held_out_reference, own_point
@@ -540,19 +540,10 @@ def _reference_named(ctx: StageContext[PrecisionSettings]) -> str:
 
 def validated_axes(ctx: StageContext[PrecisionSettings], inputs: list[TensorSpec]) -> Axes:
     """The dynamic axes validation varies: ``signature.dynamic_axes``; on a run from an ONNX file, those over the
-    axes the graph names itself (:func:`declared_axes`), so naming one axis leaves the file's other names in place."""
+    axes the graph names itself (:func:`~kiln.core.shapes.graph_axes_with`), so naming one axis leaves the file's
+    other names in place."""
     axes = ctx.config.signature.dynamic_axes
-    return (axes or {}) if torch_model_named(ctx.config.model) else declared_axes(axes, inputs)
-
-
-def declared_axes(configured: Axes | None, inputs: list[TensorSpec]) -> Axes:
-    """The graph's own dynamic axes besides batch (:func:`kiln.core.shapes.graph_axes`) with ``configured``
-    (``signature.dynamic_axes``) laid over them axis by axis: a user who names one axis the file left unnamed
-    keeps the names the file gives the rest."""
-    merged = {name: dict(dims) for name, dims in graph_axes(inputs).items()}
-    for name, dims in (configured or {}).items():
-        merged.setdefault(name, {}).update(dims)
-    return merged
+    return (axes or {}) if torch_model_named(ctx.config.model) else graph_axes_with(axes, inputs)
 
 
 def at_validated_shapes(batches: list[Batch], axes: Axes, sizes: dict[str, list[int]]) -> list[Batch]:
@@ -612,7 +603,7 @@ def _unconverted(precision: str, log: logging.Logger) -> dict[str, Any]:
 def _axis_sizes(data: DatasetSplits, names: list[str], ctx: StageContext[PrecisionSettings]) -> dict[str, list[int]]:
     """The sizes of each dynamic axis besides batch the engines must take (build sizes its profiles by them)."""
     inputs = io_specs(load_onnx(ctx.inputs["optimize"] / "model.onnx", load_external_data=False))[0]
-    axes = declared_axes(ctx.config.signature.dynamic_axes, inputs)
+    axes = graph_axes_with(ctx.config.signature.dynamic_axes, inputs)
     if not axes:
         return {}
     feeds = [feed_for_graph(take(x, slice(0, 1)), names) for x in (data.train_x, data.val_x) if rows(x)]

@@ -45,7 +45,7 @@ from kiln.core.records import (
     TensorSpec,
     ValidationResult,
 )
-from kiln.core.shapes import Axes, graph_axes
+from kiln.core.shapes import Axes, graph_axes_with
 from kiln.core.stage import StageContext
 from kiln.core.text import FEATURE_NAMES
 from kiln.core.threads import own_threads
@@ -585,7 +585,7 @@ def onnx_reference(
     inputs, outputs = io_specs(graph)
     names = [i.name for i in inputs]
     sig = ctx.config.signature
-    axes = sig.dynamic_axes or graph_axes(inputs)
+    axes = graph_axes_with(sig.dynamic_axes, inputs)  # a partial dynamic_axes keeps the file's other names
     feeds = held_out(
         data,
         lambda x: feed_for_graph(x, names, f"model.onnx {Path(ctx.config.model.onnx).name}"),

@@ -196,3 +196,17 @@ def test_float_flags_repeat_exactly_where_other_floats_shift(flags: np.ndarray) 
     longer = resize(feed, axes, {"t": 10}, repeat_floats=True)
     assert np.array_equal(longer["key_padding_mask"], feed["key_padding_mask"][:, np.arange(10) % 4])
     assert copy_step(feed["key_padding_mask"], 1) == 0.0 and not np.array_equal(longer["x"][0, 4:8], feed["x"][0])
+
+
+def test_axes_named_in_the_signature_lie_over_the_graphs_own() -> None:
+    """A user who names the one axis a file left unnamed keeps the names the file gives the rest (precision and
+    validation both vary them)."""
+    from kiln.core.shapes import graph_axes_with
+
+    specs = [
+        TensorSpec(name="x", shape=["N", "seq", 8], dtype="float32"),
+        TensorSpec(name="z", shape=["N", 0, 8], dtype="float32"),
+    ]
+    assert graph_axes_with({"z": {1: "zlen"}}, specs) == {"x": {1: "seq"}, "z": {1: "zlen"}}
+    assert graph_axes_with({"x": {1: "tokens"}}, specs) == {"x": {1: "tokens"}}
+    assert graph_axes_with(None, specs) == {"x": {1: "seq"}}
