@@ -8,8 +8,10 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import yaml
 
+from kiln.core.compare import class_axis
 from kiln.core.data import tensors
 from kiln.core.errors import ConfigError
 from kiln.core.labels import floating
@@ -62,9 +64,26 @@ def logits_flag(name: str) -> str:
     return f"--set {shlex.quote(f'signature.logits_output={value}')}"
 
 
-def class_logits(names: Sequence[str], setting: str | int | None, labels: Any) -> str | None:
+def class_logits(names: Sequence[str], setting: str | int | None, labels: Any, num_classes: int = 0) -> str | None:
     """:func:`logits_name` for a run with ``labels`` (the held-out targets): float targets are a regression's, whose
-    output holds values, not class logits, unless ``signature.logits_output`` names one."""
-    if setting is None and labels is not None and floating(tensors(labels)[0]):
-        return None
+    output holds values, not class logits, unless ``signature.logits_output`` names one or they are class labels
+    one-hot encoded (:func:`one_hot`, ``num_classes`` wide where the data gives it), whose argmax is the class."""
+    if setting is None and labels is not None:
+        y = tensors(labels)[0]
+        if floating(y) and not one_hot(y, num_classes):
+            return None
     return logits_name(names, setting)
+
+
+def one_hot(y: Any, num_classes: int = 0) -> bool:
+    """Float 0/1 labels (a tensor or an array) with exactly one 1 in each row or position along their class axis
+    (:func:`class_axis`: 1 for ``[N, C]`` and ``[N, C, H, W]``, the last for ``[N, seq, C]``) of two entries or more,
+    ``num_classes`` of them where it is given: ``F.one_hot(y, C).float()``, class labels as training tells them from
+    multi-hot or regression targets."""
+    a = np.asarray(y.detach().cpu() if hasattr(y, "detach") else y)
+    if a.ndim < 2 or not a.size or a.dtype.kind != "f":
+        return False
+    axis = class_axis(a.ndim) % a.ndim
+    if a.shape[axis] < 2 or (num_classes > 0 and a.shape[axis] != num_classes):
+        return False
+    return bool(np.isin(a, (0, 1)).all()) and bool((a.sum(axis) == 1).all())

@@ -751,16 +751,37 @@ def _without_wrapper_prefix(
     state: dict[str, torch.Tensor], wanted: set[str], tied: dict[str, str], source: str
 ) -> dict[str, torch.Tensor]:
     """``state`` with the prefix a wrapper put on every key (DDP's ``module.``, a training wrapper's ``agent.``)
-    taken off, where the keys without it are the model's own, and said; else the model's keys under one prefix
-    (:func:`_model_under_prefix`); else ``state`` unchanged."""
+    taken off, where the keys without it are the model's own, and said (:func:`_say_wrapper_prefix`); else the
+    model's keys under one prefix (:func:`_model_under_prefix`); else ``state`` unchanged."""
     prefix = _shared_prefix(list(state))
     while prefix and not set(state) <= wanted:
         stripped = {k[len(prefix) :]: v for k, v in state.items()}
         if set(stripped) <= wanted:
-            log.info("checkpoint %s: its keys carry the prefix '%s' (a wrapper's); loaded without it", source, prefix)
+            _say_wrapper_prefix(source, prefix)
             return stripped
         prefix = prefix[: prefix[:-1].rfind(".") + 1]  # one level shorter: 'agent.policy.' -> 'agent.'
     return _model_under_prefix(state, wanted, tied, source)
+
+
+# The attributes of wrappers that run their module unchanged: DDP's and DataParallel's, torch.compile's
+TRANSPARENT_WRAPPERS = {"module", "_orig_mod"}
+
+
+def _say_wrapper_prefix(source: str, prefix: str) -> None:
+    """Say that checkpoint ``source``'s keys were loaded without the wrapper's ``prefix``: as information for
+    wrappers that run their module unchanged (each level one of :data:`TRANSPARENT_WRAPPERS`), else as a warning,
+    since the wrapper's own forward (a guidance wrapper around a UNet, pre- or post-processing) is then not what is
+    exported."""
+    if set(prefix.split(".")[:-1]) <= TRANSPARENT_WRAPPERS:
+        log.info("checkpoint %s: its keys carry the prefix '%s' (a wrapper's); loaded without it", source, prefix)
+        return
+    log.warning(
+        "checkpoint %s: its keys carry the prefix '%s' (a wrapper's); loaded into the model without it, which runs "
+        "without the wrapper's own forward (guidance, pre- or post-processing): give the wrapper as the model if it "
+        "is the one to deploy",
+        source,
+        prefix,
+    )
 
 
 def _model_under_prefix(

@@ -7,20 +7,24 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import onnx
+import torch
 from torch import nn
 
-from kiln.core.data import DatasetSplits, Feed, Inputs, feed_for_graph, from_feed, input_names, rows, take
+from kiln.core.data import DatasetSplits, Feed, Inputs, feed_for_graph, from_feed, input_names, rows, take, tensors
 from kiln.core.errors import ModelError
+from kiln.core.outputs import FlatModel
 from kiln.core.shapes import Axes, axis_sizes, resize, shape_points
 from kiln.core.text import ort_reason
 from kiln.stages.export.parity import PARITY_ROWS, computes_untied, integers_over, over_tolerance, parity, parity_passes
 from kiln.stages.export.pinned_sizes import BRANCH_FIX, FIXED_SIZE_HINT, pinned_at, size_branch
-from kiln.stages.export.torch_export import ExportFailed, export_with_fallback, fixed_places
+from kiln.stages.export.quiet import quiet_torch
+from kiln.stages.export.torch_export import ExportFailed, _traced_value, export_with_fallback, fixed_places
 from kiln.stages.export.torch_sizes import direct_point, one_name_hint, own_sizes, rows_source, torch_at
 
 log = logging.getLogger("kiln.export")
@@ -114,13 +118,24 @@ def check_sizes_of(
             line = pinned_at(model, take(x, slice(0, 2)), axes)  # the loop or Python number that fixed it
             named = one_name_hint([feed, *seen], axes, point, rows_source(direct))
             worked = _worked_sizes(own_sizes(feed, axes), passed)
-            raise _fixed_size_error(f"at {at}, where PyTorch runs ({why})", line, indices, tie, named, dynamo, worked)
+            places = fixed_places(dynamo)
+            traced = "" if line or places else traced_places(model, take(x, slice(0, 2)), path, dynamo)
+            where = f"at {at}, where PyTorch runs ({why})"
+            raise _fixed_size_error(where, line, indices, tie, named, dynamo, worked, places, traced)
         passed.append(point)
     return [point for point, _ in points]
 
 
 def _fixed_size_error(
-    where: str, line: str, indices: list[str], tie: str, named: str, dynamo: str, worked: dict[str, list[int]]
+    where: str,
+    line: str,
+    indices: list[str],
+    tie: str,
+    named: str,
+    dynamo: str,
+    worked: dict[str, list[int]],
+    places: str = "",
+    traced: str = "",
 ) -> ModelError:
     """The size check's error where the graph does not compute the model ``where`` (the sizes, and the error there):
     the exporter fixed a size (at ``line`` of the user's code, where found); or, with integer outputs off
@@ -128,7 +143,9 @@ def _fixed_size_error(
     start of the fix where two axes may be one (:func:`one_name_hint`); ``dynamo``: why the dynamo exporter
     failed, where the graph is the TorchScript exporter's (:func:`_fell_back`, :func:`_dynamo_hint`); ``worked``:
     sizes the graph computed the model at, which the fix offers where no line of the user's code fixed the size
-    (:func:`_library_fix`), with the places the dynamo exporter found fixing it (:func:`fixed_places`)."""
+    (:func:`_library_fix`), with the places the dynamo exporter found fixing it (``places``: :func:`fixed_places`)
+    or, where the graph is the TorchScript exporter's, those its trace read tensors as Python values at (``traced``:
+    :func:`traced_places`)."""
     ties = f", or its integer outputs {indices} index scores that tie there (top-k, argmax), which runtimes order apart"
     return ModelError(
         f"the exported graph does not compute the model {where}: the exporter fixed a size that "
@@ -137,37 +154,65 @@ def _fixed_size_error(
         hint=_dynamo_hint(dynamo)
         + (f"if {indices} are indices of tied scores, {tie}; else " if indices else "")
         + named
-        + _size_fix(line, worked, fixed_places(dynamo)),
+        + _size_fix(line, worked, places, traced),
     )
 
 
-def _size_fix(line: str, worked: dict[str, list[int]], places: str = "") -> str:
+def _size_fix(line: str, worked: dict[str, list[int]], places: str = "", traced: str = "") -> str:
     """The fix for a size the exporter fixed at ``line`` of the user's code: the branch on it made unconditional
     where that line is one (:func:`size_branch`), the size kept a tensor shape otherwise, and sizes where the graph
     computes the model (``worked``) where no line of the user's was found (:func:`_library_fix`, naming ``places``,
-    where the dynamo exporter found the size fixed)."""
+    where the dynamo exporter found the size fixed, or ``traced``, where the TorchScript exporter's trace read
+    tensors as Python values)."""
     if size_branch(line):
         return BRANCH_FIX + "; or give signature.shapes sizes on one side of the branch only"
-    return FIXED_SIZE_HINT if line else _library_fix(worked, places)
+    return FIXED_SIZE_HINT if line else _library_fix(worked, places, traced)
 
 
-def _library_fix(worked: dict[str, list[int]], places: str = "") -> str:
+def _library_fix(worked: dict[str, list[int]], places: str = "", traced: str = "") -> str:
     """The fix where no line of the user's code was found fixing the size (:func:`pinned_at` cannot always tell
     one, so none is claimed not to): a library's module may have (a ``transformers`` model's ``if width % patch !=
     0:`` pad, which its user cannot edit; named by ``places``, ``modeling_funnel.py:152``, where the dynamo exporter
-    found the lines), so sizes on the side of its branch where the graph computes the model (``worked``) come
-    first, then the fix for the user's own code."""
+    found the lines; or ``traced``, ``modeling_mobilevit.py:406``, where the TorchScript exporter, whose graph it
+    is, read a tensor's value or size as a Python number: the places its warning names), so sizes on the side of
+    its branch where the graph computes the model (``worked``) come first, then the fix for the user's own code."""
     listed = "{" + ", ".join(f"{k}: {v}" for k, v in worked.items()) + "}"
     library = (
         f"a library's module did, at {places}, where torch.export found the size fixed (a branch on the size, or a "
         "size read as a Python number)"
         if places
+        else f"a library's module may have, at {traced}, where the TorchScript exporter read a tensor's value or size "
+        "as a Python number, which its graph keeps (a branch on the size, or a size computed as a number)"
+        if traced
         else "a library's module may have (a branch on the size, as a pad where width % patch != 0)"
     )
     return (
         f"no line of your code was found fixing it; {library}: give signature.shapes sizes on the side of that branch "
         f"where the graph computes the model, e.g. {listed} (where it does); else, in your own code, {FIXED_SIZE_HINT}"
     )
+
+
+def traced_places(model: nn.Module, example: Inputs, path: Path, dynamo: str) -> str:
+    """``a.py:3, b.py:9 and 2 more``: where the TorchScript exporter's trace of ``model`` on ``example`` read tensors
+    as Python values (its TracerWarnings: the places its export's warning named, the user's code or a library's),
+    where the graph at ``path`` is that exporter's: the dynamo exporter failed first (``dynamo``) or was not tried (an
+    opset below 18, which it does not write); empty for the dynamo exporter's graph. Traced again here, on the size
+    check's error path only, so the fix names the lines its warning did."""
+    opset = max(
+        (o.version for o in onnx.load(str(path), load_external_data=False).opset_import if o.domain in ("", "ai.onnx")),
+        default=0,
+    )
+    if not dynamo and opset >= 18:
+        return ""
+    with quiet_torch(), warnings.catch_warnings(record=True) as said:  # autograd on, as the exporter's
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("always", torch.jit.TracerWarning)
+        try:
+            torch.jit.trace(FlatModel(model, example), tuple(tensors(example)), check_trace=False, strict=False)
+        except Exception as exc:  # noqa: BLE001 - the places are a hint: a model the tracer refuses names none
+            log.debug("tracing for the places the TorchScript exporter fixed: %s", exc)
+    found = list(dict.fromkeys(place for w in said if (place := _traced_value(w))))
+    return ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
 
 
 def _worked_sizes(own: dict[str, int], passed: list[dict[str, int]]) -> dict[str, list[int]]:

@@ -36,12 +36,30 @@ FIXES_AT = (
 )
 
 
+# A library's module that reads the length as a Python number from a tensor: the TorchScript exporter's trace warns
+# of that line and keeps the example's length
+TRACED_LIBRARY = LIBRARY.replace(
+    "positions = list(range(x.shape[1]))  # FIXES",
+    "positions = list(range(int((x[0, :, 0] * 0 + 1).sum())))  # FIXES",
+)
+
+
 @pytest.fixture
 def library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> object:
     """:data:`LIBRARY` imported from a folder that counts as installed libraries (as site-packages does)."""
+    return _installed(tmp_path, monkeypatch, LIBRARY)
+
+
+@pytest.fixture
+def traced_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> object:
+    """:data:`TRACED_LIBRARY`, installed as :func:`library` is."""
+    return _installed(tmp_path, monkeypatch, TRACED_LIBRARY)
+
+
+def _installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str) -> object:
     folder = tmp_path / "site-packages"
     folder.mkdir()
-    (folder / "kiln_probe_positions.py").write_text(LIBRARY)
+    (folder / "kiln_probe_positions.py").write_text(source)
     dirs = user_errors._library_dirs()
     monkeypatch.setattr(user_errors, "_library_dirs", lambda: (*dirs, str(folder.resolve()) + os.sep))
     spec = importlib.util.spec_from_file_location("kiln_probe_positions", folder / "kiln_probe_positions.py")
@@ -87,3 +105,18 @@ def test_the_fix_names_the_places_the_funnel_export_found() -> None:
     assert "a library's module did, at modeling_funnel.py:152, where torch.export found the size fixed" in said
     assert "e.g. {seq: [32]} (where it does)" in said
     assert "a library's module may have" in _library_fix({"seq": [32]})
+
+
+def test_the_fix_names_the_library_line_the_torchscript_exporter_traced(tmp_path: Path, traced_library: object) -> None:
+    """Exported at opset 17 (the TorchScript exporter only, whose warning names the library's line it traced as a
+    Python number), validated at another length: the fix names that line, as the warning did."""
+    model, x, axes = Positioned(traced_library).eval(), torch.randn(12, 16, 2), {"input": {1: "seq"}}
+    data, path = DatasetSplits(x[:8], None, x[8:], None), tmp_path / "m.onnx"
+    _, dynamo = export_with_fallback(model, x[:2], path, 17, True, axes)
+    assert dynamo == ""
+    with pytest.raises(ModelError, match="does not compute the model at seq=8") as caught:
+        check_validated_sizes(model, path, ort_session(path), data, ["input"], axes, {"seq": [8, 16]}, 1e-4, 1e-5)
+    assert (caught.value.hint or "").startswith(
+        f"no line of your code was found fixing it; a library's module may have, at {FIXES_AT}, where the "
+        "TorchScript exporter read a tensor's value or size as a Python number"
+    ), caught.value.hint
