@@ -41,7 +41,7 @@ from kiln.core.labels import (
     without_padding,
 )
 from kiln.core.labels import accuracy as label_accuracy
-from kiln.core.output_names import logits_name
+from kiln.core.output_names import logits_name, one_hot
 from kiln.core.records import EngineValidation
 from kiln.core.shapes import Axes, axis_sizes, length_inputs, resize, shape_points
 from kiln.stages.accuracy.config import CheckConfig, GatesConfig
@@ -1166,6 +1166,21 @@ def held_out(
     return [(p, resize(feed, axes, p, repeat_floats=True)) for p in shape_points(axis_sizes(seen, axes, shapes))]
 
 
+def class_labels(data: DatasetSplits, rows: int) -> np.ndarray | None:
+    """The first ``rows`` held-out labels as class indices, what task accuracy scores: integer labels as given, and
+    one-hot float rows (:func:`~kiln.core.output_names.one_hot`) as their argmax over the class axis; None for other
+    labels (a regression's targets)."""
+    y = data.val_y
+    if y is None:
+        return None
+    if data.classification:
+        return y[:rows].numpy()
+    if one_hot(y, data.num_classes):
+        held = y[:rows].numpy()
+        return held.argmax(class_axis(held.ndim) % held.ndim)
+    return None
+
+
 def held_out_reference(
     run: Callable[[Feed], dict[str, np.ndarray]],
     feeds: list[tuple[dict[str, int], Feed]],
@@ -1189,7 +1204,7 @@ def held_out_reference(
     validated shapes show them too); labels per position follow the class logits' position axes, outputs take the
     padding of the attention mask on their own axis."""
     n = feed_rows(feeds[-1][1])
-    labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
+    labels = class_labels(data, n)
     metric = resolve_metric(cfg.metric, logits, cfg.metric_higher_is_better, num_classes=data.num_classes)
     targets = metric_labels(data.val_y[:n] if data.val_y is not None else None)
     if metric is not None and targets is None:

@@ -95,7 +95,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     sizes = _axis_sizes(data, names, ctx)
     if not ccfg.reader:  # the user's reader gives the sizes it means to; the data's batches take validation's too
         batches += at_validated_shapes(batches, validated_axes(ctx, inputs), sizes)
-    logits = class_logits([o.name for o in outputs], ctx.config.signature.logits_output, data.val_y)
+    logits = class_logits([o.name for o in outputs], ctx.config.signature.logits_output, data.val_y, data.num_classes)
     logits_index = [o.name for o in outputs].index(logits) if logits is not None else None
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         # The FP32 variant is the optimized graph with every node named and shapes inferred: the names are

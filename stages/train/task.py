@@ -328,7 +328,8 @@ def _zero_one_shape(kind: str, y: torch.Tensor) -> str:
 
 def warn_one_hot(data: DatasetSplits) -> None:
     """Say (once, where the task is decided) that float 0/1 labels of a dataset that declares classes train as
-    regression targets: mean squared error, and no accuracy or top-1 agreement. One-hot labels (rows, or class maps
+    regression targets: mean squared error (validation scores one-hot rows by their argmax; multi-hot ones get no
+    accuracy or top-1 agreement). One-hot labels (rows, or class maps
     per pixel or per token) are told to become class indices, multi-hot ones (multi-label targets) to take a binary
     cross-entropy loss and multilabel_f1. Said, not refused: regression targets may look the same."""
     found = ((s, _zero_one_rows(getattr(data, f"{s}_y"), data.num_classes)) for s in ("train", "val"))
@@ -336,13 +337,16 @@ def warn_one_hot(data: DatasetSplits) -> None:
     if split is None or kind is None:
         return
     y = getattr(data, f"{split}_y")
+    # validation reads one-hot rows as the classes they encode (top-1 agreement, accuracy by their argmax)
+    scored = "validation scores their argmax" if kind == "one-hot" else "with no accuracy or top-1 agreement"
     log.warning(
         "%s_y is float %s of %s with num_classes=%d: float labels train as regression targets (mean squared error), "
-        "with no accuracy or top-1 agreement; %s",
+        "%s; %s",
         split,
         list(y.shape),
         _zero_one_shape(kind, y),
         data.num_classes,
+        scored,
         _zero_one_fix(kind, y),
     )
 

@@ -617,7 +617,7 @@ def reference(
     """The reference's outputs on the held-out ``feeds``, with the labels and ``validate.metric`` they are judged by;
     an output ``signature.logits_output`` names is held to top-1 agreement whatever the data declares."""
     sig = ctx.config.signature
-    logits = class_logits(out_names, sig.logits_output, data.val_y)
+    logits = class_logits(out_names, sig.logits_output, data.val_y, data.num_classes)
     named = sig.logits_output is not None
     return held_out_reference(run, feeds, data, logits, cfg, sig.batch_sizes, axes, named)
 

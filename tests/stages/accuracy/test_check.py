@@ -688,3 +688,26 @@ def test_held_out_rows_all_of_the_class_the_reference_predicts_are_said_as_that(
     said = [r.getMessage() for r in caplog.records if "class 1" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("the held-out rows are all of class 1"), said
     assert "trained" not in said[0]
+
+
+def test_one_hot_labels_score_task_accuracy_by_their_argmax() -> None:
+    """Float one-hot rows are class labels (``F.one_hot(y, C).float()``): task accuracy is scored against their
+    argmax, as against the integer labels they encode; other float targets stay unscored."""
+    from kiln.core.data import DatasetSplits
+    from kiln.stages.accuracy.check import held_out_reference
+    from kiln.stages.accuracy.config import CheckConfig
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    logits = rng.standard_normal((16, 4)).astype(np.float32)
+    classes = logits.argmax(1)
+    classes[:4] = (classes[:4] + 1) % 4  # the reference is right on 12 of 16 rows
+    run = lambda feed: {"logits": logits[: len(feed["x"])]}  # noqa: E731
+
+    def accuracy(y: np.ndarray) -> float | None:
+        data = DatasetSplits(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(x), torch.from_numpy(y), 4)
+        return held_out_reference(run, [({}, {"x": x})], data, "logits", CheckConfig(), [16], {}).accuracy
+
+    one_hot = np.eye(4, dtype=np.float32)[classes]
+    assert accuracy(classes) == accuracy(one_hot) == pytest.approx(12 / 16)
+    assert accuracy(one_hot * 0.5) is None  # not one-hot: a regression's targets
