@@ -285,7 +285,7 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
         if y is not None and not is_tensor(y):
             raise DataContractError(
                 f"dataset '{ref}' gives {split}_y as {type(y).__name__}, not a torch.Tensor or None",
-                hint=_labels_hint(y),
+                hint=_labels_hint(y, rows(x)),
             )
         # a tuple's inputs by position (forward's parameter names come with the model, not here)
         names = _keys(x) if isinstance(x, Mapping) else [f"{split}_x[{i}]" for i in range(len(tensors(x)))]
@@ -431,16 +431,35 @@ def _integers(t: torch.Tensor) -> bool:
     return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
-def _labels_hint(y: Any) -> str:
-    """The fix for labels that are no tensor: targets in parts (a detector's ``{hm, wh, reg}``, tensors already) are
-    packed into one, which batching, training and validation carry as one; anything else is an array to wrap."""
+def _labels_hint(y: Any, samples: int) -> str:
+    """The fix for labels that are no tensor: a list of one tensor per sample (as many as the ``samples`` rows, or
+    of lengths that differ: CTC transcripts) is padded into one with -100, which the losses ignore; targets in parts
+    (a detector's ``{hm, wh, reg}``, tensors already) are packed into one, which batching, training and validation
+    carry as one; anything else is an array to wrap."""
     parts = list(y.values()) if isinstance(y, Mapping) else y if isinstance(y, (tuple, list)) else []
     if parts and all(is_tensor(t) for t in parts):
+        per_sample = _per_sample(parts, samples) if isinstance(y, (tuple, list)) else None
+        if per_sample is not None:
+            return per_sample
         return (
             "pack the targets into one tensor, one row per sample (torch.cat along a channel axis, or torch.stack "
             "along a new axis), and split them again in train.loss (targets[:, :C] for the first C channels)"
         )
     return "wrap arrays with torch.from_numpy(...), or give None for no labels"
+
+
+def _per_sample(parts: list[Any], samples: int) -> str | None:
+    """The fix for labels given as a list of tensors, one per sample (``samples`` of them, or of lengths that
+    differ), as one tensor of a row per sample; None where they read as the parts of one target."""
+    lengths = {len(t) for t in parts if t.ndim}
+    if len(parts) != samples and len(lengths) < 2:
+        return None
+    if any(t.ndim == 0 for t in parts):
+        return "give the labels as one tensor, one row per sample: torch.stack(labels)"
+    return (
+        f"give the labels as one tensor, one row per sample, padded to one length with {IGNORE_LABEL}, which the loss "
+        f"ignores: torch.nn.utils.rnn.pad_sequence(labels, batch_first=True, padding_value={IGNORE_LABEL})"
+    )
 
 
 def _item(x: Inputs, name: str) -> str:

@@ -157,7 +157,7 @@ def _check_array(
         cast = _cast_fix(array, np.dtype(spec.dtype), npz) if array.dtype != np.dtype(spec.dtype) else ""
         raise InputFileError(
             f"input '{spec.name}' in {source} is {array.dtype}{list(array.shape)}; {taker} takes {spec.dtype}[{dims}]",
-            hint=f"give it as {spec.dtype}[{dims}]" + (cast if shape_ok else _shape_fix(array.shape, want, taker, npz)),
+            hint=f"give it as {spec.dtype}[{dims}]" + (cast if shape_ok else shape_fix(array.shape, want, taker, npz)),
         )
     if array.ndim and len(array) == 0:
         raise InputFileError(f"input '{spec.name}' in {source} has no rows", hint="give at least one sample")
@@ -168,7 +168,7 @@ def _check_array(
         )
 
 
-def _shape_fix(shape: tuple[int, ...], want: list[int | None], taker: str, npz: bool) -> str:
+def shape_fix(shape: tuple[int, ...], want: list[int | None], taker: str, npz: bool) -> str:
     """How an array of ``shape`` becomes one of ``want`` (None: any size) where only its axes' order or its batch
     axis differs, as the tail of a fix: `` (one sample without its batch axis: x[None])``, `` (it looks like NCHW,
     and the model takes NHWC: x.transpose(0, 2, 3, 1))``; empty where the sizes themselves differ. ``npz``:

@@ -33,6 +33,7 @@ from kiln.stages.export.parity import (
     torch_outputs,
 )
 from kiln.stages.export.pinned_sizes import BRANCH_FIX, FIXED_SIZE_HINT, pinned_at, size_branch
+from kiln.stages.train.stage import probe_copy
 
 log = logging.getLogger("kiln.export")
 
@@ -50,22 +51,38 @@ def runs_at(
     """Whether PyTorch runs ``model`` on ``feed`` (rebuilt as ``like``) resized to ``base`` with axis ``label`` at
     a size, and, with ``graph``, the exported graph gives its outputs there (:func:`_graph_misses`): the step probes'
     question, each size asked once. ``wrong``: filled with the sizes where PyTorch runs and the graph does not, and
-    why."""
+    why. The sizes run on a copy of ``model`` (:func:`~kiln.stages.train.stage.probe_copy`, which probes a model too
+    large to hold twice itself), copied again after a size that changed its settings (:func:`_settings`): a model
+    that changes itself at a size (Hugging Face's Swin shrinks its window for an image smaller than it) would
+    otherwise answer every later size, and the export, changed."""
+    own = _settings(model)
+    copies = [probe_copy(model)]
 
     @cache
     def runs(size: int) -> bool:
         point = {**base, label: size}
         inputs = from_feed(resize(feed, axes, point), like)
+        if _settings(copies[-1]) != own:
+            copies.append(probe_copy(model))
+        probed = copies[-1]
         try:
-            ref = torch_outputs(model, inputs)
+            ref = torch_outputs(probed, inputs)
         except Exception:  # the model cannot take that size
             return False
-        why = _graph_misses(model, graph, like, feed, axes, point, inputs, ref) if graph is not None else ""
+        why = _graph_misses(probed, graph, like, feed, axes, point, inputs, ref) if graph is not None else ""
         if why and wrong is not None:
             wrong[size] = why
         return not why
 
     return runs
+
+
+def _settings(model: nn.Module) -> list[dict[str, Any]]:
+    """Each submodule's plain settings (its attributes of a number, a string or a tuple: a window size, a shift):
+    what a model that changes itself on a call changes, compared to tell whether a probe's copy still is the model
+    (tensors are not: an eval model's forward leaves its weights and buffers as they are)."""
+    plain = (bool, int, float, str, tuple)
+    return [{k: v for k, v in vars(m).items() if isinstance(v, plain)} for m in model.modules()]
 
 
 class GraphAt(NamedTuple):

@@ -24,7 +24,7 @@ from kiln.core.text import ort_reason
 from kiln.stages.export.parity import PARITY_ROWS, computes_untied, integers_over, over_tolerance, parity, parity_passes
 from kiln.stages.export.pinned_sizes import BRANCH_FIX, FIXED_SIZE_HINT, pinned_at, size_branch
 from kiln.stages.export.quiet import quiet_torch
-from kiln.stages.export.torch_export import ExportFailed, _traced_value, export_with_fallback, fixed_places
+from kiln.stages.export.torch_export import ExportFailed, export_with_fallback, fixed_places, traced_value
 from kiln.stages.export.torch_sizes import direct_point, one_name_hint, own_sizes, rows_source, torch_at
 
 log = logging.getLogger("kiln.export")
@@ -211,7 +211,7 @@ def traced_places(model: nn.Module, example: Inputs, path: Path, dynamo: str) ->
             torch.jit.trace(FlatModel(model, example), tuple(tensors(example)), check_trace=False, strict=False)
         except Exception as exc:  # noqa: BLE001 - the places are a hint: a model the tracer refuses names none
             log.debug("tracing for the places the TorchScript exporter fixed: %s", exc)
-    found = list(dict.fromkeys(place for w in said if (place := _traced_value(w))))
+    found = list(dict.fromkeys(place for w in said if (place := traced_value(w))))
     return ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
 
 

@@ -350,7 +350,7 @@ def _export(
         torch.onnx.export(model, args, str(path), **kw)
     if dynamo:
         return _pinned_places(guards)
-    return list(dict.fromkeys(place for w in said if (place := _traced_value(w))))
+    return list(dict.fromkeys(place for w in said if (place := traced_value(w))))
 
 
 @contextmanager
@@ -444,7 +444,7 @@ def _size_from_values(dynamo: str) -> bool:
     return _SIZE_FROM_VALUES in dynamo
 
 
-def _traced_value(said: warnings.WarningMessage) -> str:
+def traced_value(said: warnings.WarningMessage) -> str:
     """``file:line`` where a TracerWarning says the trace fixed a tensor's value outside torch's own code; else
     an empty string."""
     if not issubclass(said.category, torch.jit.TracerWarning) or _TO_PYTHON not in str(said.message):

@@ -27,12 +27,14 @@ from kiln.core.data import (
     check_axes_name_inputs,
     check_forward_takes,
     forward_inputs,
+    input_names,
     rebuild,
     rows,
     take,
     tensors,
 )
 from kiln.core.errors import ConfigError, ModelError, TrainingError
+from kiln.core.feeds import shape_fix
 from kiln.core.inputs import batch_of_one_hint
 from kiln.core.labels import is_label_name, is_loss_name
 from kiln.core.outputs import flatten_outputs, logits_name
@@ -390,12 +392,27 @@ def check_model_fits_data(
     outputs = flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor (or None, left out)
     if logits_output is not None:
         logits_name(list(outputs), logits_output)  # a ConfigError naming the outputs where it is none of them
+    _refuse_outputs_named_like_inputs(model, x, outputs)
     _refuse_labels_in_inputs(model, x, outputs)
     _refuse_random_in_eval(model, x)
     y = data.train_y if data.train_y is not None else data.val_y
     if task is not None and y is not None:
         lengths = tuple({d for t in tensors(x) if t.ndim >= 2 for d in t.shape[1:]})  # what labels may follow
         check_task(task, out, y[:probe_rows], data.num_classes, model_ref, _lacks_decoder_inputs(model, x), lengths)
+
+
+def _refuse_outputs_named_like_inputs(model: nn.Module, x: Any, outputs: dict[str, torch.Tensor]) -> None:
+    """Outputs named like inputs (a diffusers UNet's ``forward(sample=...)`` returning ``{"sample": eps}``) cannot both
+    be names of one ONNX graph: the export refuses them (``name_io``, the same names: :func:`input_names` and
+    :func:`flatten_outputs`), so say it before training rather than after it."""
+    clash = sorted(set(outputs) & set(input_names(model, x)))
+    if clash:
+        raise ModelError(
+            f"the model's outputs {clash} are named like its inputs; an ONNX graph cannot have both",
+            hint="rename those outputs (the keys of the dict forward() returns) or the inputs: the simplest is a "
+            f"wrapper module whose forward returns {{'noise_pred': self.model(...)['{clash[0]}']}}, or rename the "
+            "input (its key in the data function's dict and the forward() parameter it fills)",
+        )
 
 
 def _probe(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, lookups: EmbeddingLookups) -> Any:
@@ -454,9 +471,9 @@ def _rows_not_samples(
 
 def _cannot_take(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, exc: Exception) -> ModelError:
     """The error for a forward that failed on the probe rows ``x``: each input by name (:func:`_shown_names`),
-    shape and dtype, the forward's own message and line. Its fix names the float inputs to convert where their
-    dtype, not the model, is what failed (:func:`_wrong_float_inputs`): else it points at the data, the model's
-    params and the forward's line."""
+    shape and dtype, the forward's own message and line. Its fix names the inputs to convert where their dtype or
+    layout, not the model, is what failed (:func:`_data_fix`): else it points at the data, the model's params and
+    the forward's line."""
     parts, names = tensors(x), _shown_names(model, x)
     what = (
         f"input {tuple(parts[0].shape)} ({parts[0].dtype})"
@@ -464,21 +481,95 @@ def _cannot_take(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, 
         else "inputs (" + ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in zip(names, parts)) + ")"
     )
     frame = user_frame(exc)
-    off = _wrong_float_inputs(model, x)
-    if off is not None:
-        wrong, dtype = off
-        hint = _dtype_fix([names[i] for i in wrong], [parts[i].dtype for i in wrong], dtype, data.name)
-    else:
-        hint = _known_fix(
-            exc
-        ) or "make data.name/data.params produce what the model expects, or change model.params" + (
-            f" (or fix {frame.name}() in {frame.filename} line {frame.lineno})" if frame else ""
-        )
+    hint = (
+        _data_fix(model, x, names, data.name)
+        or _known_fix(exc)
+        or "make data.name/data.params produce what the model expects, or change model.params"
+        + (f" (or fix {frame.name}() in {frame.filename} line {frame.lineno})" if frame else "")
+    )
     return ModelError(
         f"model '{model_ref}' cannot take the dataset's {what}: {first_line(exc, 200)}"
         + (f" (in {where(frame)})" if frame else ""),
         hint=hint,
     )
+
+
+def _data_fix(model: nn.Module, x: Any, names: list[str], data_ref: str) -> str | None:
+    """The fix for probe rows ``x`` the forward failed on where converting some inputs makes it run: the data is
+    then what to change, said as that conversion (:func:`_wrong_float_inputs`, :func:`_integer_images`,
+    :func:`_channels_last`); None where none does."""
+    parts = tensors(x)
+    off = _wrong_float_inputs(model, x)
+    if off is not None:
+        wrong, dtype = off
+        return _dtype_fix([names[i] for i in wrong], [parts[i].dtype for i in wrong], dtype, data_ref)
+    ints = _integer_images(model, x)
+    if ints is not None:
+        wrong, dtype = ints
+        return _integer_fix([names[i] for i in wrong], [parts[i] for i in wrong], dtype, data_ref)
+    last = _channels_last(model, x)
+    if last is not None:
+        shape = tuple(parts[last].shape)
+        want = [None, shape[3], shape[1], shape[2]]
+        layout = shape_fix(shape, want, "the model", False)
+        return f"give input '{names[last]}' in the layout the model takes{layout} in the data function '{data_ref}'"
+    return None
+
+
+def _runs(model: nn.Module, x: Any) -> bool:
+    """Whether the model's forward runs on ``x`` in eval mode without an error."""
+    try:
+        with torch.no_grad():
+            call(model.eval(), x)
+    except Exception:  # noqa: BLE001 - any failure: ``x`` is not what the model takes
+        return False
+    return True
+
+
+def _weights_dtype(model: nn.Module) -> torch.dtype | None:
+    """The one dtype of the model's floating parameters; None where they have several, or there are none."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _integer_images(model: nn.Module, x: Any) -> tuple[list[int], torch.dtype] | None:
+    """The positions of the uint8 inputs of ``x`` (an image's pixels, as a decoder gives them) that the model takes
+    only as floats in its weights' dtype (a convolution's ``Input type (unsigned char) and bias type (float)``), with
+    that dtype, where the forward runs once they are converted. None otherwise."""
+    dtype, parts = _weights_dtype(model), tensors(x)
+    wrong = [i for i, t in enumerate(parts) if t.dtype == torch.uint8]
+    if dtype is None or not wrong:
+        return None
+    cast = rebuild(x, [t.to(dtype) if i in wrong else t for i, t in enumerate(parts)])
+    return (wrong, dtype) if _runs(model, cast) else None
+
+
+def _integer_fix(names: list[str], given: list[torch.Tensor], dtype: torch.dtype, data_ref: str) -> str:
+    """The fix for uint8 inputs ``names`` (tensors ``given``) the model takes as ``dtype``: images (3 axes or more)
+    scaled to 0..1 as they are converted (``x.float() / 255``), as an image model's pixels are."""
+    cast = ".float()" if dtype == torch.float32 else f".to({dtype})"
+    how = ", ".join(
+        (n if n.isidentifier() else f"input {n}") + cast + (" / 255" if t.ndim >= 3 else "")
+        for n, t in zip(names, given)
+    )
+    which = " and ".join(f"'{n}' (uint8)" for n in names)
+    scaled = "; / 255 scales an image's pixels to 0..1" if any(t.ndim >= 3 for t in given) else ""
+    return (
+        f"give input{'s' if len(names) > 1 else ''} {which} as {str(dtype).removeprefix('torch.')}, the dtype of the "
+        f"model's weights ({how} in the data function '{data_ref}'{scaled})"
+    )
+
+
+def _channels_last(model: nn.Module, x: Any) -> int | None:
+    """The position of the 4-D float input of ``x`` whose last axis (1 or 3 sizes: gray or RGB) and not its second
+    looks like an image's channels (NHWC), where the forward runs once it is permuted to NCHW; None otherwise."""
+    parts = tensors(x)
+    for i, t in enumerate(parts):
+        if t.is_floating_point() and t.ndim == 4 and t.shape[3] in (1, 3) and t.shape[1] not in (1, 3):
+            nchw = rebuild(x, [p.permute(0, 3, 1, 2) if j == i else p for j, p in enumerate(parts)])
+            if _runs(model, nchw):
+                return i
+    return None
 
 
 # Libraries' errors of a model built without a setting it needs, and the setting: no change of data helps
@@ -528,21 +619,12 @@ def _wrong_float_inputs(model: nn.Module, x: Any) -> tuple[list[int], torch.dtyp
     """The positions of the float inputs of ``x`` whose dtype is not that of the model's floating parameters (a
     float64 or float16 tensor against float32 weights), with that dtype, where the forward runs once they are given
     in it: the data's dtype, not the model, is then what failed. None otherwise."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    parts = tensors(x)
-    if len(dtypes) != 1:
-        return None
-    dtype = dtypes.pop()
+    dtype, parts = _weights_dtype(model), tensors(x)
     wrong = [i for i, t in enumerate(parts) if t.is_floating_point() and t.dtype != dtype]
-    if not wrong:
+    if dtype is None or not wrong:
         return None
     cast = rebuild(x, [t.to(dtype) if i in wrong else t for i, t in enumerate(parts)])
-    try:
-        with torch.no_grad():
-            call(model.eval(), cast)
-    except Exception:  # noqa: BLE001 - it fails in the weights' dtype too: the dtype is not (only) what failed
-        return None
-    return wrong, dtype
+    return (wrong, dtype) if _runs(model, cast) else None  # failing in the weights' dtype too: not (only) the dtype
 
 
 def _refuse_random_in_eval(model: nn.Module, x: Any) -> None:
@@ -636,20 +718,39 @@ def check_token_ids(model: nn.Module, data: DatasetSplits, probe: Any, lookups: 
     """Every integer input that the probe looked up in an embedding table as it is, whole or by a column of its last
     axis (:func:`_tables`: LayoutLM's ``bbox[:, :, 0]``), holds ids within the table's rows (in those columns), in
     both splits: an id past them fails only when its batch comes, as a raw ``index out of range in self`` (after a
-    whole epoch where it is a held-out row's). Inputs the model transforms first are not checked."""
+    whole epoch where it is a held-out row's). A float input of whole numbers that the model casts to ids
+    (:func:`_cast_tables`: ``self.table(t.long())``) is checked as that cast truncates it. Inputs the model
+    transforms otherwise first are not checked."""
     keys = list(probe) if isinstance(probe, dict) else range(len(tensors(probe)))
     names = {id(p): n.removesuffix(".weight") for n, p in model.named_parameters()}
     for key, t, before in zip(keys, tensors(probe), lookups.before):
-        if not t.numel() or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        if not t.numel() or t.is_complex() or t.dtype == torch.bool:
             continue
-        for table, columns in _tables(t, before, lookups):
+        cast = t.is_floating_point()
+        for table, columns in _cast_tables(t, lookups) if cast else _tables(t, before, lookups):
             for split in ("train", "val"):
                 split_x = getattr(data, f"{split}_x")
                 ids = split_x[key] if isinstance(split_x, dict) else tensors(split_x)[key]
+                ids = ids.long() if cast else ids
                 where = f"{split}_x{_input_label(split_x, key)}"
                 for column in columns or (None,):
                     part, at = (ids, where) if column is None else (ids[..., column], f"{where}[..., {column}]")
                     _check_ids(part, at, names.get(id(table), "?"), tuple(table.shape), data.name, column is None)
+
+
+def _cast_tables(probe: torch.Tensor, lookups: EmbeddingLookups) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """The embedding tables that float input ``probe`` was looked up in through a cast to integers (a timestep
+    ``self.table(t.long())``): lookups whose ids have ``probe``'s shape and equal ``probe.long()``, where ``probe``
+    holds whole numbers only (a float that is not an id, a noise level in 0..1, is no such lookup's); ``()``: the
+    whole input, as :func:`_tables` gives it."""
+    if not bool(torch.isfinite(probe).all()) or not torch.equal(probe, probe.trunc()):
+        return []
+    ids = probe.long()
+
+    def cast_from_probe(used: torch.Tensor) -> bool:
+        return used.shape == ids.shape and not used.is_floating_point() and torch.equal(used.long(), ids)
+
+    return [(table, ()) for used, _, table in lookups.calls if cast_from_probe(used)]
 
 
 def _check_ids(ids: torch.Tensor, where: str, name: str, shape: tuple[int, ...], ref: str, whole: bool = True) -> None:
