@@ -381,7 +381,7 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any], *, allow_outside_rang
     if not isinstance(feed, Mapping):
         raise InputError(
             f"engine {meta.name} takes a dict of input name -> array, not a {type(feed).__name__}",
-            hint=f"pass {{{', '.join(repr(n) for n in meta.input_names())}: array}}",
+            hint="pass {" + ", ".join(f"{n!r}: array" for n in meta.input_names()) + "}",
         )
     missing, extra = sorted(set(meta.input_names()) - set(feed)), sorted(set(feed) - set(meta.input_names()))
     if missing or extra:

@@ -54,11 +54,40 @@ def direct_example(cfg: ExportSettings, model: nn.Module, specs: list[TensorSpec
     except Exception as exc:  # the model rejects them: say so, not "an op ONNX cannot express" or a traceback
         reason = first_line(exc)
         given = [s.name for s in specs or []]
-        hint = (specs and (_names_fix(model, given) or _ids_fix(model, specs, example))) or input_shape_hint(
-            model, random=bool(specs), given=given
+        fix = specs and (
+            _names_fix(model, given) or _float_dtype_fix(model, specs, example) or _ids_fix(model, specs, example)
         )
+        hint = fix or input_shape_hint(model, random=bool(specs), given=given)
         raise ConfigError(f"model '{cfg.model.name}' rejects {what}: {reason}", hint=hint) from None
     return example
+
+
+def _float_dtype_fix(model: nn.Module, specs: list[TensorSpec], example: Inputs) -> str | None:
+    """The fix where float inputs ``--input-shape`` gave in another float dtype than the model's weights
+    (``:float16`` for float32 weights) are what it rejects: the model runs once they are in the weights' dtype. None
+    where the weights have no one float dtype, no input is off, or converting them does not make it run."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1:
+        return None
+    weights = str(next(iter(dtypes))).removeprefix("torch.")
+    off = [s for s in specs if s.dtype.startswith("float") and np.dtype(s.dtype).name != weights]
+    if not off:
+        return None
+    names = {s.name for s in off}
+    dtype = getattr(torch, weights)
+    if isinstance(example, torch.Tensor):
+        x: Inputs = example.to(dtype)
+    else:
+        x = {k: v.to(dtype) if k in names else v for k, v in example.items()}
+    try:
+        with torch.no_grad():
+            call(model, x)
+    except Exception:  # noqa: BLE001 - any failure: the dtype is not (only) what the model rejects
+        return None
+    unnamed = isinstance(example, torch.Tensor)
+    shown = " ".join(f"--input-shape {'' if unnamed else s.name + '='}{_flag_dims(s)}:{weights}" for s in off)
+    said = ", ".join(f"'{s.name}' {s.dtype}" for s in off)
+    return f"give {said} as {weights}, the dtype of the model's weights: {shown}"
 
 
 def _ids_fix(model: nn.Module, specs: list[TensorSpec], example: Inputs) -> str | None:

@@ -53,7 +53,7 @@ from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.loop import FORWARD_NAN, FORWARD_NAN_FIX, evaluate_loss_acc, first_batch_nonfinite, train
 from kiln.stages.train.metrics import EpochMetrics, TrainResult
 from kiln.stages.train.precision import resolve_device
-from kiln.stages.train.task import Task, check_task, label_free, scoring_task, task_for
+from kiln.stages.train.task import DECODER_FIX, Task, check_task, label_free, scoring_task, task_for
 
 
 def build_seeded(config: TrainSettings) -> nn.Module:
@@ -472,8 +472,8 @@ def _rows_not_samples(
 def _cannot_take(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, exc: Exception) -> ModelError:
     """The error for a forward that failed on the probe rows ``x``: each input by name (:func:`_shown_names`),
     shape and dtype, the forward's own message and line. Its fix names the inputs to convert where their dtype or
-    layout, not the model, is what failed (:func:`_data_fix`): else it points at the data, the model's params and
-    the forward's line."""
+    layout, not the model, is what failed (:func:`_data_fix`), and says the decoder inputs where the lack of them
+    is (:func:`_wants_decoder_inputs`): else it points at the data, the model's params and the forward's line."""
     parts, names = tensors(x), _shown_names(model, x)
     what = (
         f"input {tuple(parts[0].shape)} ({parts[0].dtype})"
@@ -481,6 +481,12 @@ def _cannot_take(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, 
         else "inputs (" + ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in zip(names, parts)) + ")"
     )
     frame = user_frame(exc)
+    if _wants_decoder_inputs(model, x):
+        return ModelError(
+            f"model '{model_ref}' cannot take the dataset's {what}: decoder_input_ids is missing, which its forward "
+            f"takes and the data lacks ({first_line(exc, 200)})",
+            hint=DECODER_FIX,
+        )
     hint = (
         _data_fix(model, x, names, data.name)
         or _known_fix(exc)
@@ -492,6 +498,17 @@ def _cannot_take(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, 
         + (f" (in {where(frame)})" if frame else ""),
         hint=hint,
     )
+
+
+def _wants_decoder_inputs(model: nn.Module, x: Any) -> bool:
+    """Whether the forward failed on the probe rows ``x`` for want of ``decoder_input_ids``: it takes them, the data
+    lacks them, and it runs given one start token a row. An encoder-decoder that needs them (T5) says so in its
+    library's words, which name no decoder (``input_ids or inputs_embeds``)."""
+    if not isinstance(x, dict) or not _lacks_decoder_inputs(model, x):
+        return False
+    first = tensors(x)[0]
+    start = torch.zeros(rows(x), 1, dtype=torch.long, device=first.device)
+    return _runs(model, {**x, "decoder_input_ids": start})
 
 
 def _data_fix(model: nn.Module, x: Any, names: list[str], data_ref: str) -> str | None:
