@@ -142,6 +142,21 @@ TERMINATED = Terminated(
 )
 
 
+# What a stopped command kept, where it is not what `kiln run` keeps: its own fix line
+STOPPED_HINTS = {
+    "loadtest": "run `kiln loadtest` again: it writes loadtest.json only once its last concurrency level finishes, "
+    "so this run kept nothing (fewer --concurrency levels or a shorter --duration finish sooner)",
+}
+
+
+def stopped(command: str | None, by_sigterm: bool) -> Interrupted:
+    """The error for ``kiln COMMAND`` stopped by Ctrl-C or SIGTERM: the command's own fix where what it kept differs
+    from the resume that the shared fix line describes (:data:`STOPPED_HINTS`)."""
+    shared = TERMINATED if by_sigterm else INTERRUPTED
+    hint = STOPPED_HINTS.get(command or "")
+    return shared if hint is None else type(shared)(shared.message, hint=hint)
+
+
 class KilnCommand(click.Command):
     """Turns :class:`KilnError` into a clean message and exit code instead of a traceback."""
 
@@ -163,7 +178,7 @@ class KilnCommand(click.Command):
         except click.UsageError as exc:
             raise _usage(exc, ctx.command_path) from None
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (core/interrupt.py)
-            _fail(ctx, TERMINATED if interrupt.by_sigterm() else INTERRUPTED)
+            _fail(ctx, stopped(ctx.info_name, interrupt.by_sigterm()))
         except SystemExit as exc:  # sys.exit() in code Kiln called (a metric, a loss): never a silent end
             from kiln.core.user_errors import user_exit_error
 

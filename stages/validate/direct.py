@@ -4,6 +4,7 @@ on the user's inputs (``--inputs x.npz``) or random ones of the engine's declare
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,15 @@ from kiln.core.records import EngineMetadata, EngineValidation, Percentiles, ste
 from kiln.core.shapes import axis_names, graph_axes, refuse_unknown_axes, resize, shape_points
 from kiln.core.signature import BATCH_AXIS
 from kiln.core.text import FEATURE_NAMES, short_reason
-from kiln.stages.accuracy.check import compare_all, direct_top1, gated_list, gates_for, merge_worst, summarize
+from kiln.stages.accuracy.check import (
+    accuracy_failures,
+    compare_all,
+    direct_top1,
+    gated_list,
+    gates_for,
+    merge_worst,
+    summarize,
+)
 from kiln.stages.engines.backend import check_feed as check_engine_feed
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
@@ -116,7 +125,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     logits = direct_top1(list(refs[0]), setting, refs[0])
     entry = EngineValidation.of(meta, "validated")
     decisions = _recorded_decisions(meta, logits)
-    kept, unmeasured = _compared(meta, [feed for feed, _ in checks], refs, gots, logits, decisions)
+    kept, unmeasured, each = _compared(meta, [feed for feed, _ in checks], refs, gots, logits, decisions)
     entry.gates = gates_for(cfg.validate, meta.precision, logits is None)
     summarize(entry, kept, logits, gated_list(entry.gates))  # the headline: what the gates judge
     _say_no_top1(refs[0], setting, logits, entry)
@@ -125,7 +134,8 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     sizes = [_named_sizes(meta, feed) for feed, _ in checks]
     entry.shapes = [size for i, size in enumerate(sizes) if size and size not in sizes[:i]]
     _say_unvalidated_ranges(meta, sizes)
-    entry.failures = check_gates(entry, None, entry.gates, max(times)) + unmeasured
+    missed = _missed_by_shape(meta, sizes, each, logits, entry.gates)
+    entry.failures = [_placed(f, missed) for f in check_gates(entry, None, entry.gates, max(times))] + unmeasured
     entry.passed = not entry.failures
     entry.hints = [NO_FINITE_FIX] if unmeasured else []
     return entry
@@ -237,13 +247,14 @@ def _compared(
     gots: list[Feed],
     logits: str | None,
     decisions: bool = False,
-) -> tuple[dict[str, OutputStats], list[str]]:
-    """Every output of each check compared (padding left out), the worst of each statistic over the checks, and
-    the outputs with nothing measured in any of them; ``decisions``: the logits are a multi-label head's
-    (:func:`_recorded_decisions`)."""
+) -> tuple[dict[str, OutputStats], list[str], list[dict[str, OutputStats]]]:
+    """Every output of each check compared (padding left out), the worst of each statistic over the checks, the
+    outputs with nothing measured in any of them, and each check's own statistics; ``decisions``: the logits are a
+    multi-label head's (:func:`_recorded_decisions`)."""
     axes, out_axes = graph_axes(meta.inputs), graph_axes(meta.outputs)
     kept: dict[str, OutputStats] = {}
     unmeasured: list[str] = []
+    each: list[dict[str, OutputStats]] = []
     for feed, ref, got in zip(feeds, refs, gots):
         for name, r in ref.items():
             if name in got and got[name].shape != r.shape:
@@ -259,9 +270,55 @@ def _compared(
         )
         stats = compare_all(unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL, decisions=decisions)
         stats = _samples_along_batch(meta, feed_rows(feed), unpadded_ref, unpadded_got, stats)
+        each.append(stats)
         kept = merge_worst(kept, stats) if kept else stats
         unmeasured += [u for u in nothing_measured(ref, got) if u not in unmeasured]
-    return kept, unmeasured
+    return kept, unmeasured, each
+
+
+def _missed_by_shape(
+    meta: EngineMetadata,
+    sizes: list[dict[str, int]],
+    each: list[dict[str, OutputStats]],
+    logits: str | None,
+    gates: dict[str, Any],
+) -> list[tuple[dict[str, int], list[str]]]:
+    """The accuracy gates missed at each shape compared (``sizes``: each check's, ``each``: its statistics; the checks
+    of one shape at several batch sizes judged together), where there are several shapes: none where there is one."""
+    points: list[dict[str, int]] = [p for i, p in enumerate(sizes) if p not in sizes[:i]]
+    if len(points) < 2:
+        return []
+    missed = []
+    for point in points:
+        stats: dict[str, OutputStats] = {}
+        for size, s in zip(sizes, each):
+            if size == point:
+                stats = merge_worst(stats, s) if stats else s
+        there = EngineValidation.of(meta, "validated")
+        summarize(there, stats, logits, gated_list(gates))
+        missed.append((point, accuracy_failures(there, gates, None)))
+    return missed
+
+
+def _placed(failure: str, missed: list[tuple[dict[str, int], list[str]]]) -> str:
+    """``failure`` (over every shape) with the shape its value comes from and the other shapes that miss the same
+    gate, as the precision stage places its gates' failures (``top1_agreement 0.95 < 0.97 at src=4, tgt=1``)."""
+    worst = [point for point, fails in missed if failure in fails]
+    gate = _gate(failure)
+    points = worst + [p for p, fails in missed if p not in worst and any(_gate(f) == gate for f in fails)]
+    if not points or not points[0]:
+        return failure
+    placed = f"{failure} at {_point(points[0])}"
+    return placed + (f" (and at {'; '.join(_point(p) for p in points[1:])})" if points[1:] else "")
+
+
+def _gate(failure: str) -> str:
+    """The gate a failure says it missed: its text without the numbers."""
+    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", failure)
+
+
+def _point(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items())
 
 
 def batch_axis(meta: EngineMetadata, name: str, shape: tuple[int, ...], rows: int) -> int | None:

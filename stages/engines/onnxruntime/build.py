@@ -102,7 +102,7 @@ def build_ort_engine(
     to_fp16 = precision == "fp16" and not model_carries_precision(model)  # else the graph holds its precision
     keep_fused = None
     if keep_fp32 and to_fp16:
-        keep_fused, notes["fp16_kept_fp32"] = keep_list_after_fusion(model, fused, keep_fp32)
+        keep_fused, notes["fp16_kept_fp32"] = keep_list_after_fusion(model, fused, keep_fp32, name, device)
     conversion, offline = _write_engine(
         fused, out / "engine.onnx", device, precision, cfg, cuda_here, to_fp16, keep_fused
     )
@@ -163,36 +163,74 @@ def build_ort_engine(
 
 
 def keep_list_after_fusion(
-    source: onnx.ModelProto, fused: onnx.ModelProto, keep: list[str]
+    source: onnx.ModelProto, fused: onnx.ModelProto, keep: list[str], name: str = "", device: str = "cuda"
 ) -> tuple[list[str], dict[str, Any]]:
     """The precision stage's FP32 nodes under the names they have after ORT's transformer fusion.
 
     Fusion replaces nodes (LayerNormalization + Add -> SkipLayerNormalization...) and their names with them, so
     a kept name may be gone: then the fused node that now writes one of the kept node's outputs is kept FP32
-    instead. Kept nodes that vanished inside a fusion without a trace are reported, not silently dropped."""
+    instead. Kept nodes that vanished inside a fusion without a trace are recorded; those absorbed by a fused op
+    that computes in FP32 anyway (:data:`FP32_FUSED_OPS`: T5's RMSNorm Pow and Sqrt) lose nothing and are only
+    counted, the rest are said for engine ``name``: a warning where ``device`` computes FP16, at info on the CPU,
+    which computes the whole engine in FP32 (the build's audit then skips it)."""
     names = {n.name for n in fused.graph.node}
     writer = {o: n.name for n in fused.graph.node for o in n.output}
     outputs = {n.name: list(n.output) for n in source.graph.node}
     mapped: dict[str, str] = {}
     lost: list[str] = []
-    for name in keep:
-        if name in names:
-            mapped[name] = name
+    for node in keep:
+        if node in names:
+            mapped[node] = node
             continue
-        heir = next((writer[o] for o in outputs.get(name, []) if o in writer), None)
+        heir = next((writer[o] for o in outputs.get(node, []) if o in writer), None)
         if heir is None:
-            lost.append(name)
+            lost.append(node)
         else:
-            mapped[name] = heir
+            mapped[node] = heir
+    in_fp32 = [n for n in lost if absorbing_op(source, fused, n) in FP32_FUSED_OPS]
+    lost = [n for n in lost if n not in in_fp32]
     if lost:
-        log.warning(
-            "%d nodes the precision stage kept FP32 were fused away by ONNX Runtime and run in the fused "
+        log.log(
+            logging.INFO if device == "cpu" else logging.WARNING,
+            "%s: %d nodes the precision stage kept FP32 were fused away by ONNX Runtime and run in the fused "
             "kernels' precision: %s",
+            name or "onnxruntime engine",
             len(lost),
             ", ".join(lost[:10]) + (f", ... ({len(lost) - 10} more)" if len(lost) > 10 else ""),
         )
-    record = {"requested": len(keep), "renamed": {k: v for k, v in mapped.items() if k != v}, "lost": lost}
+    renamed = {k: v for k, v in mapped.items() if k != v}
+    record = {"requested": len(keep), "renamed": renamed, "lost": lost, "in_fp32_kernels": len(in_fp32)}
     return sorted(set(mapped.values())), record
+
+
+# ORT's fused normalizations, which compute in FP32 whatever their inputs' type: a kept node they absorb stays FP32
+FP32_FUSED_OPS = {
+    "LayerNormalization",
+    "SimplifiedLayerNormalization",
+    "SkipLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+}
+
+
+def absorbing_op(source: onnx.ModelProto, fused: onnx.ModelProto, node: str) -> str | None:
+    """The op type of the fused node that absorbed ``node`` of ``source``: the writer, in ``fused``, of the first
+    tensor downstream of ``node`` that ``fused`` still has (None where none is found)."""
+    writer = {o: n.op_type for n in fused.graph.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in source.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    start = next((n for n in source.graph.node if n.name == node), None)
+    queue, seen = list(start.output) if start is not None else [], set()
+    while queue:
+        tensor = queue.pop(0)
+        if tensor in writer:
+            return writer[tensor]
+        if tensor in seen:
+            continue
+        seen.add(tensor)
+        queue += [o for c in consumers.get(tensor, []) for o in c.output]
+    return None
 
 
 def autotune_skip_reason(device: str, cfg: OnnxRuntimeConfig, cuda_here: bool) -> str | None:

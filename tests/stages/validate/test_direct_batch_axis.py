@@ -24,7 +24,7 @@ def test_worst_sample_of_a_time_major_output_is_along_its_batch_axis() -> None:
     got[:, 3] += rng.standard_normal((12, 8))  # sample 3 is wrong at every step
     meta = _meta(["batch", "batch", 8])  # as an exporter declares it: both axes dynamic and named alike
     feed = {"x": np.zeros((5, 4), np.float32)}
-    stats, _ = _compared(meta, [feed], [{"y": ref}], [{"y": got}], None)
+    stats, _, _ = _compared(meta, [feed], [{"y": ref}], [{"y": got}], None)
     assert stats["y"].worst_sample == 3 and stats["y"].sample_cosine < 0.9
 
 
