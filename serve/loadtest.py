@@ -18,7 +18,8 @@ region, as Triton's perf_analyzer does with ``--shared-memory system``. It measu
 moving tensors through HTTP/gRPC in Python, what a preprocessing process beside the server would see.
 
 Each level's throughput is set beside the engine's own, timed in-process at a batch of the level's concurrency
-(the most a server can batch from ``c`` single-sample requests): the served/in-process ratio says what serving
+(the most a server can batch from ``c`` single-sample requests), capped by the largest batch the server forms (its
+model config's ``max_batch_size``; 1 for a server that forms none): the served/in-process ratio says what serving
 costs.
 
 Loopback only: this generates load, and is not meant to be pointed at someone else's server.
@@ -33,6 +34,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -84,6 +86,7 @@ REQUEST_TIMEOUT_S = 60.0  # one request; the level's loop is bounded by its dura
 CLIENT_SWITCH_S = 200e-6
 TAIL_WINDOW_S = 0.1  # tail_windows' window
 TAIL_MIN_WINDOWS = 20  # fewer windows than this: tail_windows says nothing
+TAIL_MIN_SLOW = 10  # fewer slow requests than this: no share (one or two sit in one window whatever the spread)
 GONE_AFTER = 3  # requests in a row that found no server (connection refused): it is gone, and the level stops
 # why the requests are random where neither -c nor a workdir's recorded run gives data (none is made up)
 NO_DATA = (
@@ -169,8 +172,9 @@ def tail_windows(
     """Where the level's slow requests (above its p99) were sent, by ``window_s`` windows of the run: a tail
     spread over the windows is the server's steady behaviour (queueing, scheduling); one gathered in a few is a
     stall (a collection, a compile, a swap). ``share_in_worst_10pct``: the slow requests' share in the tenth of
-    the windows that hold most of them (about 0.1 when spread evenly, near 1 when gathered). None for fewer than
-    :data:`TAIL_MIN_WINDOWS` windows or 100 requests, where an even spread no longer reads as 0.1."""
+    the windows that hold most of them (about 0.1 when spread evenly, near 1 when gathered), None where fewer than
+    :data:`TAIL_MIN_SLOW` requests are slow: one or two fill a tenth of the windows whatever the spread. None for
+    fewer than :data:`TAIL_MIN_WINDOWS` windows or 100 requests, where an even spread no longer reads as 0.1."""
     if len(latencies_ms) < 100 or len(sent_ns) != len(latencies_ms):
         return None
     sent, lat = np.asarray(sent_ns, dtype=np.int64) / 1e9, np.asarray(latencies_ms)
@@ -182,8 +186,9 @@ def tail_windows(
     return {
         "window_s": window_s,
         "windows": len(slow),
+        "slow": int(slow.sum()),
         "windows_with_slow": int(np.count_nonzero(slow)),
-        "share_in_worst_10pct": float(worst.sum() / max(1, slow.sum())),
+        "share_in_worst_10pct": float(worst.sum() / slow.sum()) if slow.sum() >= TAIL_MIN_SLOW else None,
     }
 
 
@@ -627,6 +632,10 @@ def _client(module: Any, protocol: str, address: str) -> tuple[Any, dict[str, fl
 
 
 UNREGISTER_WAIT_S = 10.0  # how long close() waits for the server to let go of a region its last requests held
+# A stopped load test (Ctrl-C, SIGTERM): its client processes get STOP_WAIT_S in all to end their level and release
+# their regions (their threads HALT_WAIT_S of it to finish the request in flight, close() the rest), then are killed
+STOP_WAIT_S = 3.0
+HALT_WAIT_S = 1.0
 
 
 class SharedMemory:
@@ -719,11 +728,11 @@ class SharedMemory:
             )
         return got
 
-    def close(self) -> None:
-        """Unregister every region, waiting up to :data:`UNREGISTER_WAIT_S` for the server to release those its
-        last requests still hold, then remove them all (each one, even where another fails to unregister)."""
+    def close(self, wait_s: float = UNREGISTER_WAIT_S) -> None:
+        """Unregister every region, waiting up to ``wait_s`` for the server to release those its last requests still
+        hold, then remove them all (each one, even where another fails to unregister)."""
         left = set(self.handles)
-        deadline = time.monotonic() + UNREGISTER_WAIT_S
+        deadline = time.monotonic() + wait_s
         while left:
             for name in sorted(left):
                 try:
@@ -817,6 +826,7 @@ def run_level(
     start = time.perf_counter()
     deadline = start + duration_s
     gone, refused, answered_at = threading.Event(), [0], [start]  # refused: requests in a row that found no server
+    halt = threading.Event()  # the level was stopped (Ctrl-C, SIGTERM): each thread ends after its request in flight
 
     def failed(exc: Exception) -> None:
         """Count a failed request (under the lock); enough in a row that found no server end the level."""
@@ -837,7 +847,7 @@ def run_level(
         wanted = {"outputs": regions.tritonclient_outputs(slot)} if regions and not lean else requested
         made: dict[int, bytes] = {}  # the lean client's requests, made once each
         try:
-            while time.perf_counter() < deadline and not gone.is_set():
+            while time.perf_counter() < deadline and not gone.is_set() and not halt.is_set():
                 with lock:
                     i = next(issued, None)
                 if i is None:
@@ -902,12 +912,42 @@ def run_level(
             level.seconds = (answered_at[0] if level.server_gone else time.perf_counter()) - start
             level.cpu = meter.read()
         level.collections = collections.seen
+    except BaseException:  # stopped: the threads end before their regions go, within the client's share of the stop
+        halt.set()
+        joined_within(threads, HALT_WAIT_S)
+        if regions:
+            regions.close(STOP_WAIT_S - HALT_WAIT_S - 0.5)
+            regions = None
+        raise
     finally:
         gc.unfreeze()
         if regions:
             regions.close()
+        if setup:
             setup.close()
     return level
+
+
+def joined_within(workers: list[Any], wait_s: float) -> list[Any]:
+    """Join threads or processes against one deadline ``wait_s`` away, not ``wait_s`` each; those still running."""
+    deadline = time.monotonic() + wait_s
+    for w in workers:
+        if w.is_alive():  # a thread or process never started is not alive, and cannot be joined
+            w.join(timeout=max(0.0, deadline - time.monotonic()))
+    return [w for w in workers if w.is_alive()]
+
+
+def end_workers(workers: list[Any], stop: bool, wait_s: float) -> None:
+    """End a level's client processes: ``stop`` (the load test was stopped, or a process hangs) first sends each
+    SIGTERM, which ends its level and releases its shared-memory regions (:func:`_level_worker`); all are joined
+    against one deadline ``wait_s`` away, and those still running then are killed."""
+    if stop:
+        for w in workers:
+            if w.is_alive():
+                w.terminate()
+    for w in joined_within(workers, wait_s):
+        w.kill()
+        w.join()
 
 
 def answer_masks(expected: list[dict], outputs: list[str]) -> dict[str, Masks]:
@@ -1019,6 +1059,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
     for w in workers:
         w.start()
     merged, parts = Level(concurrency), []
+    stop = True  # until every process has given its result: a stop (Ctrl-C, SIGTERM) or a hang
     try:
         for _ in workers:
             part = results.get(timeout=duration_s + REQUEST_TIMEOUT_S + 120)  # a client process that hangs
@@ -1035,11 +1076,9 @@ def run_level_processes(processes: int, *args: Any) -> Level:
             merged.client = part.client
             merged.server_gone |= part.server_gone
             merged.gone_error = merged.gone_error or (part.gone_error if part.server_gone else "")
+        stop = False
     finally:
-        for w in workers:
-            w.join(timeout=10)
-            if w.is_alive():
-                w.kill()
+        end_workers(workers, stop, STOP_WAIT_S if stop else UNREGISTER_WAIT_S)
     merged.cpu = merged_cpu(parts)
     return merged
 
@@ -1067,10 +1106,24 @@ def merged_cpu(parts: list[dict[str, float | int] | None]) -> dict[str, float | 
 
 
 def _level_worker(barrier: Any, results: Any, args: tuple[Any, ...]) -> None:
-    """One client process of :func:`run_level_processes`: import, wait for the others, run its share."""
-    _client_module(args[0])
-    barrier.wait()
-    results.put(run_level(*args))
+    """One client process of :func:`run_level_processes`: import, wait for the others, run its share. SIGTERM (its
+    parent stopping it) or Ctrl-C ends its level as an interrupt does, so that :func:`run_level` releases its
+    shared-memory regions on the way out; a second signal meanwhile is ignored, and the process ends quietly."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stop_once)
+    try:
+        _client_module(args[0])
+        barrier.wait()
+        results.put(run_level(*args))
+    except KeyboardInterrupt:
+        pass
+
+
+def _stop_once(signum: int, frame: Any) -> None:
+    """The first Ctrl-C or SIGTERM as an interrupt; later ones ignored, so they do not cut the clean-up short."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 # Triton's cumulative per-request durations (inference_stats), in the order a request meets them
@@ -1110,6 +1163,31 @@ def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
         "execution_ns": sum(int(b.get("compute_infer", {}).get("ns", 0)) for b in entry.get("batch_stats", [])),
     }
     return counts | {f"{k}_ns": int(phases.get(k, {}).get("ns", 0)) for k in ("success", *TRITON_PHASES)}
+
+
+def server_max_batch(protocol: str, address: str, model: str) -> int | None:
+    """The largest batch the server forms of ``model``'s requests: Triton's ``max_batch_size`` from the model's
+    config (0: unbatched, as ``kiln serve --max-batch 0`` serves it); None where the server does not say (the Ray
+    Serve application exposes no batch setting, or the config could not be read)."""
+    if protocol == "ray":
+        return None
+    client = _client_module(protocol).InferenceServerClient(address)
+    try:
+        config = client.get_model_config(model, as_json=True) if protocol == "grpc" else client.get_model_config(model)
+    except Exception:  # tritonclient raises its own exceptions and the transport's: the engine's limit is used
+        log.debug("model '%s' config not readable from %s", model, address, exc_info=True)
+        return None
+    finally:
+        client.close()
+    config = config.get("config", config)  # gRPC's JSON wraps it; protobuf's JSON leaves out a max_batch_size of 0
+    return int(config.get("max_batch_size", 0))
+
+
+def batch_limit(meta: EngineMetadata, served: int | None) -> int:
+    """The largest batch the server can form from single-sample requests, what the in-process timings and the
+    batch-mate deviation use (0: none, every request runs alone): ``served`` (:func:`server_max_batch`) capped by
+    what the engine takes, or where the server does not say, Kiln's default (:data:`CPU_MAX_BATCH`) capped so."""
+    return served_max_batch(meta, CPU_MAX_BATCH if served is None else served)
 
 
 def settled_batches(protocol: str, address: str, model: str, answered: int, wait_s: float = 10.0) -> dict[str, int]:
@@ -1272,8 +1350,8 @@ def loadtest(
     engine = engine_for(engines, model)
     pool, source = request_pool(engine, config)
     base = TOLERANCE.get(engine.meta.precision, TOLERANCE["fp16"])
-    limit = served_max_batch(engine.meta, CPU_MAX_BATCH)
     server_batches(protocol, address, model)  # a server that is not there is said before the engine loads
+    limit = batch_limit(engine.meta, server_max_batch(protocol, address, model))
     host = address.rsplit(":", 1)[0]
     metrics = f"http://{host}:{metrics_port}/metrics" if metrics_port and protocol != "ray" else None
     # One load for the expected answers and the in-process timings: a torch engine compiles when it loads.
@@ -1430,7 +1508,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         "the level's concurrency (capped by the server's batch limit), the most a server can batch from that "
         "many single-sample requests; served / in-process compares their throughputs. Slow in worst tenth: the "
         f"share of the requests slower than p99 sent in the tenth of the level's {TAIL_WINDOW_S:g} s windows that "
-        "hold most of them (about 0.1: a tail spread over the run; near 1: stalls)."
+        f"hold most of them (about 0.1: a tail spread over the run; near 1: stalls; -: fewer than {TAIL_MIN_SLOW} "
+        "such requests, or too short a run)."
         + (
             " Noisy: the in-process time's 95 % interval was wider than a quarter of its median (a busy machine), "
             "so that ratio is no measurement of serving."
@@ -1541,7 +1620,8 @@ def stub_table(levels: list[dict[str, Any]]) -> list[str]:
 def _row(lv: dict[str, Any]) -> str:
     lat, own = lv["latency_ms"], lv.get("inprocess")
     ratio = lv.get("served_vs_inprocess")
-    tail = f"{lv['tail_windows']['share_in_worst_10pct']:.2f}" if lv.get("tail_windows") else "-"
+    share = (lv.get("tail_windows") or {}).get("share_in_worst_10pct")
+    tail = f"{share:.2f}" if share is not None else "-"
     noisy = " (noisy)" if own and own.get("noisy") else ""
     inproc = (
         f"{own['latency_ms']:.3f} ({own['batch']}) | {own['throughput_rps']:.0f} | {ratio:.0%}{noisy}"

@@ -314,6 +314,16 @@ def test_a_tail_spread_over_the_run_and_one_gathered_in_a_stall_are_told_apart()
     assert tail_windows(sent[:5000], stalled[:5000]) is None  # 0.5 s: too few windows to say
 
 
+def test_a_tail_of_one_or_two_slow_requests_is_said_as_no_share_not_as_a_stall() -> None:
+    from kiln.serve.loadtest import Level, _row
+
+    level = Level(1, latencies_ms=[4.0] * 150, sent_ns=list(np.linspace(0, 3e9, 150, endpoint=False).astype(int)))
+    level.latencies_ms[70], level.seconds = 40.0, 3.0  # the one request above p99
+    summary = level.summary()
+    assert summary["tail_windows"]["slow"] == 1 and summary["tail_windows"]["share_in_worst_10pct"] is None
+    assert _row(summary).endswith("| - |"), _row(summary)
+
+
 def test_kilns_client_sends_http_requests_whose_tensors_are_in_shared_memory_only() -> None:
     from kiln.core.errors import ConfigError
     from kiln.serve.loadtest import lean_client
