@@ -9,9 +9,10 @@ engines run in this process, bound with ``Triton.bind``) it served 2.8-7.3x the 
 a 2-core CPU (benchmarks/README.md, Serving). Names, dtypes and shapes come from ``kiln-engine.json``; health and
 readiness are Triton's own ``/v2/health/live`` and ``/v2/health/ready``.
 
-SIGINT and SIGTERM stop the server and its stubs: Triton drains the requests in flight for up to
-``EXIT_TIMEOUT_S``, and whatever of the server still runs ``STOP_DEADLINE_S`` after the signal is killed
-(:class:`_Reaper`), so nothing outlives ``kiln serve`` and it is gone within Kubernetes' grace period with room to
+SIGINT and SIGTERM stop the server and its stubs: the models are unloaded first (:func:`drain_models`: new requests
+are refused, those in flight answered) for up to ``EXIT_TIMEOUT_S``, and whatever of the server still runs
+``STOP_DEADLINE_S`` after the signal is killed (:class:`_Reaper`), so nothing outlives ``kiln serve`` and it is gone
+within Kubernetes' grace period with room to
 spare. A signal before the server is ready ends the start at its next step or poll (:class:`_StopRequest`): nothing
 was served, ``on_ready`` is never called, and the CLI exits 130 (143) saying so. A ``kiln serve`` killed outright
 (SIGKILL, out of memory) takes its ``tritonserver`` with it: the server is started with a parent-death signal
@@ -1021,6 +1022,8 @@ def _serve_pytriton(
             _wait(triton, stop)
             stop.stopping = True
             log.info("stopping: draining requests in flight (up to %d s)", EXIT_TIMEOUT_S)
+            names = [s.model_name for s in served]
+            drain_models(f"{address}:{http_port}", names, EXIT_TIMEOUT_S, _pytriton_headers(triton))
     except KilnError as exc:  # the server's own last error, said now: its log goes with the scratch folder
         said = None if verbose or triton is None else _server_said(triton)
         if said:
@@ -1067,6 +1070,13 @@ def _kill_starting(triton: Any) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:  # gone already
             pass
+
+
+def _pytriton_headers(triton: Any) -> dict[str, str] | None:
+    """The access-token header PyTriton's own client sends to its server's restricted endpoints (the repository
+    API among them); None where this PyTriton keeps none."""
+    headers = getattr(getattr(triton, "_model_manager", None), "_headers", None)
+    return dict(headers) if isinstance(headers, dict) else None
 
 
 def _until_pytriton_cleaned(triton: Any, timeout_s: float = 2.0) -> None:
@@ -1215,13 +1225,16 @@ def _answers(url: str) -> bool:
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local server: never through a proxy
 
 
-def triton_http(address: str, path: str, method: str = "GET", timeout_s: float = 5.0) -> tuple[int, Any]:
+def triton_http(
+    address: str, path: str, method: str = "GET", timeout_s: float = 5.0, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
     """One call of Triton's HTTP/REST protocol (KServe v2 and its repository extension) to ``host:port``:
     ``(status, JSON body or None)``; OSError when nothing answers, or nothing that speaks HTTP. Plain urllib for
     the few calls the server itself makes (readiness, a model's config, a reload): importing tritonclient's HTTP
     client (aiohttp, gevent: 0.27 s in ``python -X importtime`` on the 2-core machine) would be about a third of a
     ready server's start on the demo."""
-    request = urllib.request.Request(f"http://{address}{path}", data=b"" if method == "POST" else None, method=method)
+    data = b"" if method == "POST" else None
+    request = urllib.request.Request(f"http://{address}{path}", data=data, method=method, headers=headers or {})
     try:
         with _NO_PROXY.open(request, timeout=timeout_s) as answer:
             status, body = answer.status, answer.read()
@@ -1233,6 +1246,35 @@ def triton_http(address: str, path: str, method: str = "GET", timeout_s: float =
         return status, json.loads(body) if body else None
     except ValueError:
         return status, None
+
+
+LOADED = ("LOADING", "READY", "UNLOADING")  # the repository index's states of a model that may still hold requests
+
+
+def drain_models(http_address: str, models: list[str], timeout_s: float, headers: dict[str, str] | None = None) -> bool:
+    """Stop new work and let the requests in flight finish, before the server is stopped. Each model is unloaded
+    through Triton's repository API (explicit model control): from then on Triton answers new requests for it with
+    404 and its readiness with not-ready, while the requests it already holds (queued or executing) complete and
+    its stubs end. Triton's own SIGTERM stop does neither: it keeps taking requests until ``--exit-timeout-secs``,
+    then exits with those in flight cut and a busy stub left running. Returns True once no model is loaded or
+    unloading, False at ``timeout_s`` (the stop goes on: the server's SIGTERM and :class:`_Reaper` bound the rest).
+    ``headers``: PyTriton's access token, which its restricted repository API asks for."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for model in models:
+            path = f"/v2/repository/models/{urllib.parse.quote(model)}/unload"
+            triton_http(http_address, path, "POST", timeout_s=timeout_s, headers=headers)
+        while time.monotonic() < deadline:
+            status, index = triton_http(http_address, "/v2/repository/index", "POST", timeout_s, headers)
+            if status != 200 or not isinstance(index, list):
+                return False
+            if not any(m.get("name") in models and m.get("state") in LOADED for m in index):
+                return True
+            time.sleep(0.05)
+    except OSError:  # the server no longer answers: nothing is left to drain through it
+        return False
+    log.warning("requests still in flight after %.0f s of draining: the server stops anyway", timeout_s)
+    return False
 
 
 class _Reaper:
@@ -1251,6 +1293,7 @@ class _Reaper:
         self._lock = threading.Lock()
         self._tree: dict[int, Any] = {}
         self._shm: set[str] = set()  # the Python backend's shared-memory regions the server maps
+        self.shm_dir = SHM_DIR
         self._stop_at: float | None = None
         self._others = self._children()  # this process's children from before the server: not the server's
         threading.Thread(target=self._run, daemon=True, name="kiln-serve-reaper").start()
@@ -1262,7 +1305,7 @@ class _Reaper:
         return set(psutil.Process().children(recursive=True))  # psutil.Process: equal by pid and start time
 
     def _look(self) -> None:
-        found = {p.pid: p for p in self._children() - self._others}
+        found = {p.pid: p for p in self._children() - self._others if not _own_resource_tracker(p)}
         with self._lock:
             self._tree |= found
 
@@ -1278,6 +1321,7 @@ class _Reaper:
             except OSError:  # gone, or no /proc (not Linux)
                 continue
             self._shm |= {ln.split(maxsplit=5)[-1] for ln in lines if SHM_REGION in ln}
+        self._shm |= pytriton_regions(self.shm_dir)
 
     def _run(self) -> None:
         while not self.stop.requested:
@@ -1349,7 +1393,30 @@ class _Reaper:
                 log.info("removed %s, the shared memory of a server that did not end on its own", path)
 
 
-SHM_REGION = "/dev/shm/triton_python_backend_shm_region"
+SHM_DIR = Path("/dev/shm")
+SHM_REGION = f"{SHM_DIR}/triton_python_backend_shm_region"
+PYTRITON_REGION = "pytrtion"  # PyTriton's prefix for its server's regions, spelled as PyTriton spells it
+
+
+def pytriton_regions(shm_dir: Path = SHM_DIR, pid: int | None = None) -> set[str]:
+    """The shared-memory files of the PyTriton servers this process (or ``pid``) made: PyTriton names its server's
+    Python-backend regions ``pytrtion<pid>-<random>...`` after the process that made the server, where the stubs'
+    maps do not show them once the stubs are killed; 4 MiB each of the machine's memory until removed."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        return {str(path) for path in shm_dir.glob(f"{PYTRITON_REGION}{pid}-*")}
+    except OSError:  # no such folder (not Linux)
+        return set()
+
+
+def _own_resource_tracker(process: Any) -> bool:
+    """Whether ``process`` is this process's multiprocessing resource tracker (PyTriton's shared memory starts it
+    under load): no part of the server, it ends with this process, so a stop that waited for it would always run
+    to the reaper's deadline and then kill it. Told by the pid multiprocessing keeps (its command line may still be
+    this process's own for a moment after it started)."""
+    from multiprocessing import resource_tracker
+
+    return process.pid == getattr(resource_tracker._resource_tracker, "_pid", None)
 
 
 def _server_log_on_stdout(verbose: bool) -> None:
@@ -1661,10 +1728,11 @@ def serve_python_backend(
             time.sleep(0.5)
         stop.stopping = True
         log.info("stopping: draining requests in flight (up to %d s)", EXIT_TIMEOUT_S)
+        drain_models(f"{address}:{ports[0]}", models, EXIT_TIMEOUT_S)
     finally:
         stop.stopping = True
         if proc is not None and proc.poll() is None:
-            proc.terminate()  # Triton drains for EXIT_TIMEOUT_S, then exits; the reaper bounds the rest
+            proc.terminate()  # drained already on a stop (drain_models); the reaper bounds the rest
             try:
                 proc.wait(timeout=STOP_DEADLINE_S)
             except subprocess.TimeoutExpired:

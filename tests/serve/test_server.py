@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -474,6 +475,64 @@ def test_sigterm_drains_requests_in_flight_and_everything_is_gone_within_10_s(wo
             assert not isinstance(answers[i], Exception), f"request {i} in flight at SIGTERM failed: {answers[i]}"
             np.testing.assert_allclose(answers[i], runner.infer(feed)["logits"], rtol=1e-5, atol=1e-6)
     print(f"kiln serve and its {len(descendants)} processes gone {gone_after:.1f} s after SIGTERM")
+
+
+def _keep_sending(port: int, body: str, until: threading.Event, records: list[tuple[float, int, str]]) -> None:
+    """Inference requests one after another on one keep-alive connection until ``until``: (sent at, HTTP status or
+    -1, the error's type or the answer's text)."""
+    import http.client
+
+    conn = None
+    while not until.is_set():
+        sent = time.monotonic()
+        try:
+            if conn is None:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", f"/v2/models/{MODEL}/infer", body, {"Content-Type": "application/json"})
+            answer = conn.getresponse()
+            text = answer.read().decode(errors="replace")
+            records.append((sent, answer.status, "" if answer.status == 200 else text))
+        except (OSError, http.client.HTTPException) as exc:
+            records.append((sent, -1, type(exc).__name__))
+            conn = None
+            time.sleep(0.01)
+
+
+@pytest.mark.parametrize("extra", [[], ["--pytriton"]], ids=["python-backend", "pytriton"])
+def test_sigterm_under_steady_load_refuses_new_work_and_cuts_none_in_flight(workdir: Path, extra: list[str]) -> None:
+    """Clients sending back to back when SIGTERM arrives: every request sent before the signal is answered (none
+    cut by the server's exit), new requests are refused once the stop began (the models are unloaded: Triton
+    answers 404), and `kiln serve` with every process under it is gone within 10 s of the signal."""
+    ports = free_ports(3)
+    engine = workdir / "package" / "engines" / ENGINE
+    batch = random_inputs(read_metadata(engine).inputs, 4, seed=0)["input"]
+    tensor = {"name": "input", "shape": list(batch.shape), "datatype": "FP32", "data": batch.ravel().tolist()}
+    body = json.dumps({"inputs": [tensor]})
+    proc = _start_serve(engine, ports, *extra, "--max-queue-delay-us", "2000")
+    until, records = threading.Event(), []
+    clients = [threading.Thread(target=_keep_sending, args=(ports[0], body, until, records)) for _ in range(3)]
+    try:
+        _ready(proc, ports, [MODEL])
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        for t in clients:
+            t.start()
+        while sum(1 for r in records if r[1] == 200) < 30:  # steady load: answers coming
+            assert proc.poll() is None, _printed(proc)
+            time.sleep(0.02)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        everything = [psutil.Process(proc.pid), *descendants]
+        _, alive = psutil.wait_procs(everything, timeout=10)
+    finally:
+        until.set()
+        for t in clients:
+            t.join(timeout=120)
+        _abort(proc)
+    assert not alive, f"left {len(alive)} processes past 10 s: {[p.pid for p in alive]}"
+    cut = [r for r in records if r[0] < signalled and r[1] != 200]
+    assert not cut, f"requests sent before SIGTERM failed: {cut[:5]}"
+    refused = [r for r in records if r[0] >= signalled and r[1] == 404 and "no available versions" in r[2]]
+    assert refused, f"no request was refused after SIGTERM: {sorted({r[1:] for r in records if r[0] >= signalled})}"
 
 
 def test_a_kiln_serve_killed_outright_takes_its_server_with_it_and_its_workdir_refuses_runs_meanwhile(
