@@ -45,6 +45,7 @@ from kiln.core.output_names import logits_name, one_hot
 from kiln.core.records import EngineValidation
 from kiln.core.shapes import Axes, axis_sizes, length_inputs, resize, shape_points
 from kiln.stages.accuracy.config import CheckConfig, GatesConfig
+from kiln.stages.accuracy.config import derived_rel_err as rel_err_of_cosine
 from kiln.stages.accuracy.metrics import (
     BOX_FORMAT,
     Metric,
@@ -268,9 +269,9 @@ def spreads(ref: dict[str, np.ndarray], levels: Collection[str] = ()) -> dict[st
     return out
 
 
-def _spread(r: np.ndarray, masked: np.ndarray) -> float | None:
+def _spread(r: np.ndarray, masked: np.ndarray, floor: float = SPREAD_FLOOR) -> float | None:
     """:func:`spreads` of one output, beside its ``masked`` values (each position's mean over the rows that hold a
-    value there); None where nothing is left or all of it is 0."""
+    value there), at least ``floor`` of its RMS; None where nothing is left or all of it is 0."""
     values = np.where(masked, np.nan, r)
     if np.isnan(values).all():
         return None
@@ -278,7 +279,7 @@ def _spread(r: np.ndarray, masked: np.ndarray) -> float | None:
         warnings.simplefilter("ignore", RuntimeWarning)
         dev = float(np.sqrt(np.nanmean((values - np.nanmean(values, axis=0)) ** 2)))
     rms = float(np.sqrt(np.nanmean(values**2)))
-    return max(dev, SPREAD_FLOOR * rms) if rms > 0 else None
+    return max(dev, floor * rms) if rms > 0 else None
 
 
 def relative_to_spread(
@@ -304,6 +305,41 @@ def relative_to_spread(
         kept = ~set_aside(ref[name], got[name])
         err = float(np.sqrt(np.mean((g[kept] - r[kept]) ** 2))) if kept.any() else 0.0
         out[name] = replace(s, rel_err=err / spread[name], norm_rel_err=s.rel_err)
+    return out
+
+
+@dataclass(frozen=True)
+class SpreadStats(OutputStats):
+    """An output's statistics with ``over_variation``: where its spread is :data:`SPREAD_FLOOR` (the output varies
+    between samples by less), its RMS error over how it does vary. Above 1 the engine's error is larger than
+    anything the output tells apart between samples, however small beside its level, and no message may call it
+    a small error to accept (:func:`_over_spread`)."""
+
+    over_variation: float | None = None
+
+    def as_dict(self) -> dict[str, float | None]:
+        """The statistics by name, ``over_variation`` only where measured (records of other outputs keep theirs)."""
+        stats = super().as_dict()
+        if stats["over_variation"] is None:
+            del stats["over_variation"]
+        return stats
+
+
+def with_variation(
+    stats: dict[str, OutputStats], ref: dict[str, np.ndarray], spread: dict[str, float]
+) -> dict[str, OutputStats]:
+    """``stats`` with each output's :attr:`SpreadStats.over_variation` where its ``spread`` is the floor and the
+    reference (every held-out row) still varies between its samples: measured here, since the floor hides it."""
+    out = dict(stats)
+    for name, s in stats.items():
+        r = np.asarray(ref.get(name, ()))
+        if name not in spread or s.cosine is None or s.norm_rel_err is None or r.ndim < 1 or len(r) < 2:
+            continue
+        if not s.rel_err > SMALL_SPREAD * s.norm_rel_err:  # a spread near the norm: not floored, and not said
+            continue
+        dev = _spread(r.astype(np.float64), set_aside(r, r), floor=0.0)
+        if dev and dev < spread[name] and np.isfinite(s.rel_err):
+            out[name] = SpreadStats(**{**vars(s), "over_variation": s.rel_err * spread[name] / dev})
     return out
 
 
@@ -337,6 +373,9 @@ def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[st
                 *_worse_class(t, s),
                 "decision" if "decision" in (t.agreement, s.agreement) else "top1",
             )
+            variation = pick(getattr(t, "over_variation", None), getattr(b[name], "over_variation", None), False)
+            if variation is not None:
+                s = SpreadStats(**vars(s), over_variation=variation)
         out[name] = s
     return out
 
@@ -607,9 +646,8 @@ def gates_for(cfg: CheckConfig | GatesConfig, precision: str, no_class_logits: b
 
 
 def derived_rel_err(gates: dict[str, Any]) -> float:
-    """The relative error ``min_cosine`` allows at right angles to the reference, sqrt(2 (1 - c)), now in any
-    direction, since cosine alone passes an offset or a scale."""
-    return round(float(np.sqrt(2.0 * (1.0 - gates["min_cosine"]))), 6)
+    """The relative error the gates' ``min_cosine`` allows (:func:`kiln.stages.accuracy.config.derived_rel_err`)."""
+    return rel_err_of_cosine(gates["min_cosine"])
 
 
 def rel_err_limits(
@@ -1713,7 +1751,7 @@ def compare_on(
             per_row=per_row,
             levels=ref.levels,
         )
-        out.stats = merge_worst(out.stats, kept)
+        out.stats = merge_worst(out.stats, with_variation(kept, whole, spread))
         for bs in batch_sizes:
             feed_bs = sample_batch(feed, bs)
             got_bs = infer(feed_bs)
@@ -1941,6 +1979,12 @@ def _over_spread(stats: dict[str, Any], accept: str, precision: str = "fp32") ->
     norm = stats.get("norm_rel_err")
     if norm is None or not norm > 0 or not stats["rel_err"] > SMALL_SPREAD * norm:
         return ""
+    times = stats.get("over_variation")
+    if times is not None and times > 1:  # no small error on a high level: larger than the output ever varies
+        return (
+            f" (its RMS error is {times:.2g}x the spread of the output between the held-out samples: larger than the "
+            f"output varies, though only {norm:.2g} of its norm on a level far above that spread)"
+        )
     allowance = rounding_allowance(precision, float("inf"))
     beyond = f", more than {precision.upper()}'s own rounding gives ({allowance:.2g})" if allowance else ""
     return (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 from typing import Any
 
 from pydantic import (
@@ -23,6 +24,9 @@ log = logging.getLogger("kiln.config")
 # The validation context of a per-precision value checked against its gate's bounds, as a top-level gate alone:
 # no gate the user set there to hold against the per-precision defaults
 BOUNDS_ONLY: dict[str, bool] = {"bounds_only": True}
+
+# The gate whose default each precision derives from its min_cosine (derived_rel_err)
+REL = "max_rel_err"
 
 BUILTIN_METRICS = (
     "accuracy",
@@ -97,11 +101,12 @@ class GatesConfig(Section):
         "null = every output",
     )
     # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
-    per_precision: dict[str, dict[str, float]] = Field(
+    per_precision: dict[str, dict[str, float | None]] = Field(
         default_factory=lambda: _default_per_precision(),
         description="overrides of the gates above per precision, merged into these defaults gate by gate; a gate "
         "above set stricter than its default holds every precision whose own value here is not set, and one set "
-        "looser leaves a precision's stricter default (said in a warning)",
+        "looser leaves a precision's stricter default (said in a warning); max_rel_err's default for a precision "
+        "is the one its min_cosine derives",
     )
 
     @model_validator(mode="wrap")
@@ -121,22 +126,37 @@ class GatesConfig(Section):
         did). Tightened past its default, it replaces a looser per-precision default: a user who tightens "the
         gate" expects every engine held to it. Set looser than a precision's default, that default stays, and a
         warning names the key that loosens it: the per-precision defaults are the looser gates reduced precisions
-        need, never tightened by loosening the FP32 one."""
+        need, never tightened by loosening the FP32 one. ``max_rel_err`` has no per-precision default of its own:
+        each precision's is the one its ``min_cosine`` derives, so it comes after ``min_cosine`` and is held or
+        left precision by precision."""
         defaults = _default_per_precision()
-        for gate in sorted(self.model_fields_set - {"per_precision", "gated_outputs"}):
+        for gate in sorted(self.model_fields_set - {"per_precision", "gated_outputs"}, key=lambda g: (g == REL, g)):
             value, default = getattr(self, gate), type(self).model_fields[gate].default
+            if gate == REL and value is None:
+                continue  # max_rel_err: null is every precision's derived default
             tightened = value != default and _stricter(gate, value, default) == value
-            touched = {}  # tightened: the looser defaults it replaces; loosened: the stricter ones that stay
+            held, kept = {}, {}  # the looser defaults it replaces; the stricter ones that stay
             for precision, own in self.per_precision.items():
                 mine = (given.get(precision) or {}).get(gate)  # a value equal to the default (a printed config) is not
-                if gate not in own or own[gate] == value or mine not in (None, defaults.get(precision, {}).get(gate)):
+                current = self._own_default(gate, own)
+                if current is None or current == value or mine not in (None, defaults.get(precision, {}).get(gate)):
                     continue
-                if (_stricter(gate, value, own[gate]) == value) == tightened:
-                    touched[precision] = own[gate]
-                    if tightened:
-                        own[gate] = value
-            if touched:
-                _warn_defaults(gate, value, touched, tightened)
+                stricter = _stricter(gate, value, current) == value
+                if gate != REL and stricter != tightened:
+                    continue
+                (held if stricter else kept)[precision] = current
+                if stricter or gate == REL:
+                    own[gate] = value if stricter else None  # None: the derived default, not the top-level value
+            for touched, tighter in ((held, True), (kept, False)):
+                if touched:
+                    _warn_defaults(gate, value, touched, tighter)
+
+    def _own_default(self, gate: str, own: dict[str, float | None]) -> float | None:
+        """A precision's own limit of ``gate`` (None: it has none to hold against the top-level one); for
+        ``max_rel_err`` unset, the one its ``min_cosine`` derives."""
+        if gate == REL and own.get(REL) is None:
+            return derived_rel_err(own.get("min_cosine", self.min_cosine))
+        return own.get(gate)
 
     @field_validator("per_precision", mode="before")
     @classmethod
@@ -156,7 +176,7 @@ class GatesConfig(Section):
 
     @field_validator("per_precision")
     @classmethod
-    def _known_overrides(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    def _known_overrides(cls, value: dict[str, dict[str, float | None]]) -> dict[str, dict[str, float | None]]:
         # A dict of dicts escapes the strict section check: a misspelt gate would be silently ignored.
         gates = sorted(set(cls.model_fields) - {"per_precision", "gated_outputs"})
         for precision, overrides in value.items():
@@ -202,6 +222,12 @@ class CheckConfig(Section):
                 f"{list(BUILTIN_METRICS)} or an import path 'pkg.mod:fn'"
             )
         return value
+
+
+def derived_rel_err(min_cosine: float) -> float:
+    """The relative error ``min_cosine`` allows at right angles to the reference, sqrt(2 (1 - c)), now in any
+    direction, since cosine alone passes an offset or a scale: ``max_rel_err`` where none is set."""
+    return round(math.sqrt(2.0 * (1.0 - min_cosine)), 6)
 
 
 def _stricter(gate: str, a: float | None, b: float | None) -> float | None:

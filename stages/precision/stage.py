@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kiln.calibration.config import CalibrationConfig
-from kiln.calibration.data import Batch, batch_limit, calibration_batches, dataset_batches
+from kiln.calibration.data import Batch, batch_limit, batch_rows, calibration_batches, dataset_batches
 from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.calibration.feeds import save_feeds
 from kiln.calibration.quantize import DYNAMIC_RECURRENT, check_exclusions, quantizable_op_types
@@ -63,6 +63,10 @@ from kiln.stages.precision.variants import (
     quantized_nothing,
 )
 
+# Fewer calibration rows than this are warned of: one calibration batch at the default calibration.batch_size, the
+# floor `kiln precision` warns under too (kiln.stages.precision.direct imports this module: no import back)
+FEW_ROWS = 32
+
 
 def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     cfg, ccfg = ctx.config.precision, ctx.config.calibration
@@ -91,6 +95,8 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     # at most the rows a call reads (a batch-of-one graph network reads row 0 only): every calibration row is read
     limit = batch_limit(ctx.config.signature.batch_sizes, inputs, outputs)
     batches = calibration_batches(data, ccfg, ctx.config.seed, names, inputs, limit) if needs_data else []
+    if needs_data and not random:
+        warn_few_calibration_rows(ctx.log, batches, ccfg, wanted, data)
     save_samples(ctx, data, names, batches, lowbit)
     sizes = _axis_sizes(data, names, ctx)
     if not ccfg.reader:  # the user's reader gives the sizes it means to; the data's batches take validation's too
@@ -178,6 +184,39 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
         failed=failed,
         **node_report,
         calibration_cache=str(cache_dir / "calibration") if cache_dir else None,
+    )
+
+
+def warn_few_calibration_rows(
+    log: logging.Logger, batches: list[Batch], ccfg: CalibrationConfig, variants: list[str], data: DatasetSplits
+) -> None:
+    """Warn where calibration reads fewer than :data:`FEW_ROWS` rows though more were asked (calibration.num_batches
+    x batch_size): INT8/FP8 scales are the ranges those rows reach (FP16's range check, its float kept nodes), so a
+    handful of samples decides them, as ``kiln precision`` warns of a short ``--calibration``."""
+    got, asked = sum(batch_rows(b) for b in batches), ccfg.batch_size * ccfg.num_batches
+    if got >= min(FEW_ROWS, asked):
+        return
+    scaled = "/".join(v.upper() for v in variants if v in ("int8", "fp8"))
+    split = "training" if rows(data.train_x) else "held-out"  # the split dataset_batches draws from
+    source, fix = (
+        (f"calibration.reader {ccfg.reader} gave no more", "more batches from calibration.reader")
+        if ccfg.reader
+        else (
+            f"the data's {split} split holds {rows(data.train_x) or rows(data.val_x)}",
+            f"a larger {split} split (data.name)",
+        )
+    )
+    log.warning(
+        "calibration reads only %s (calibration.num_batches %d x batch_size %d = %d asked; %s): %s from that few "
+        "samples. Give at least %d rows: %s",
+        f"{got} row" if got == 1 else f"{got} rows",
+        ccfg.num_batches,
+        ccfg.batch_size,
+        asked,
+        source,
+        f"{scaled} scales come" if scaled else "FP16's range check comes",
+        FEW_ROWS,
+        fix,
     )
 
 

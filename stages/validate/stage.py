@@ -50,7 +50,7 @@ from kiln.core.stage import StageContext
 from kiln.core.text import FEATURE_NAMES
 from kiln.core.threads import own_threads
 from kiln.core.timing import BUSY_SPREAD, Timer, interleave, ratio_interval, time_calls, warm_up
-from kiln.models.model_io import load_trained, torch_model_named
+from kiln.models.model_io import load_trained, on_random_inputs, torch_model_named
 from kiln.stages.accuracy.check import (
     LATENCY_GATE,
     Comparison,
@@ -74,6 +74,7 @@ from kiln.stages.validate.baselines import from_rounds, prepare_baseline, speedu
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.coupling import rows_may_mix
 from kiln.stages.validate.declaration import NOT_BUILT, REQUIRED, UNVALIDATED, ValidateSettings
+from kiln.stages.validate.direct import FEW_ROWS
 from kiln.stages.validate.gates import check_gates
 from kiln.stages.validate.measured import NO_FINITE_FIX, has_no_number_samples, nothing_measured, unmeasured
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
@@ -538,6 +539,24 @@ def choose(engines: list[EngineValidation], order: list[str], margin: float) -> 
     return chosen, notes
 
 
+def warn_few_rows(log: logging.Logger, n: int, max_samples: int | None) -> None:
+    """Warn where the engines are compared on fewer than :data:`FEW_ROWS` held-out rows: every statistic the gates
+    judge (cosine, the worst sample's, errors, top-1 agreement, the metric) is then of that few samples, and an
+    engine wrong on most inputs may agree with its reference on them (as ``kiln validate`` warns of short
+    ``--inputs``)."""
+    if n >= FEW_ROWS:
+        return
+    capped = max_samples is not None and max_samples <= n
+    log.warning(
+        "validation compares the engines on only %s (%s): their agreement with the reference is measured on that "
+        "few samples. Give at least %d rows: %s",
+        "1 held-out row" if n == 1 else f"{n} held-out rows",
+        f"validate.max_samples {max_samples}" if capped else "the data's held-out split holds no more",
+        FEW_ROWS,
+        "raise validate.max_samples" if capped else "a larger held-out split (data.name)",
+    )
+
+
 def torch_reference(
     ctx: StageContext[ValidateSettings], data: DatasetSplits, cfg: ValidateConfig
 ) -> tuple[Reference, Any]:
@@ -766,6 +785,8 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     )
     accuracy = ref.accuracy
     n = feed_rows(ref.feed)
+    if not on_random_inputs(ctx.config.model, ctx.config.data):
+        warn_few_rows(ctx.log, n, cfg.max_samples)
     dirs = engine_dirs(ctx.inputs["build"])
     metas = [read_metadata(d) for d in dirs]
     devices = baseline_devices({m.device for m in metas if runnable(m)[0]}, cfg.cpu_baseline)

@@ -72,3 +72,27 @@ def test_a_top_level_gate_loosened_past_a_precisions_default_leaves_it_and_says_
     assert gates_for(cfg.validate_, "int8")["min_cosine"] == 0.99
     assert gates_for(cfg.validate_, "fp16")["min_cosine"] == 0.999
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_top_level_max_rel_err_is_held_against_each_precisions_derived_limit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """max_rel_err has no per-precision default: each precision's is sqrt(2 (1 - its min_cosine)), FP16's 0.0447
+    and INT8's 0.1414. Set to 0.1, it holds INT8 and FP8 (tighter than theirs) and leaves FP16's stricter one, both
+    said with the per-precision key; set to 0.005, it holds every precision, said too."""
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        cfg = load_config(None, {"validate.gates.max_rel_err": 0.1})
+    limits = {p: gates_for(cfg.validate_, p, no_class_logits=True)["max_rel_err"] for p in ("fp32", "fp16", "int8")}
+    assert limits == {"fp32": 0.1, "fp16": 0.044721, "int8": 0.1}
+    assert gates_for(cfg.validate_, "fp16")["max_rel_err"] is None  # class logits: FP16's default, not 0.1
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 2, said
+    assert "int8 0.141421" in said[0] and "validate.gates.per_precision.int8.max_rel_err" in said[0], said[0]
+    assert "fp16 0.044721" in said[1] and "validate.gates.per_precision.fp16.max_rel_err" in said[1], said[1]
+    assert config_from_dict(cfg.dump()).validate_.gates == cfg.validate_.gates  # `kiln config` reads back the same
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        cfg = load_config(None, {"validate.gates.max_rel_err": 0.005})
+    assert {gates_for(cfg.validate_, p)["max_rel_err"] for p in ("fp32", "fp16", "int8", "fp8")} == {0.005}
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "int8 0.141421" in said[0] and "fp16 0.044721" in said[0], said
