@@ -1378,8 +1378,9 @@ def own_scoring_point(
     if added is None:
         log.warning(
             "task accuracy%s measured at %s, the held-out inputs%s cut or padded from the data's own sizes (%s), "
-            "which lie outside the validated ranges: add the data's sizes to signature.shapes to score the inputs "
-            "as labelled",
+            "which lie outside the validated ranges (cut by keeping the first positions, the last where an attention "
+            "mask pads on the left: a forecaster's window then no longer ends where its targets begin): add the "
+            "data's sizes to signature.shapes to score the inputs as labelled",
             " and the metric" if metric else "",
             _sizes(feeds[fallback][0]),
             "" if labels is None else " and their labels",

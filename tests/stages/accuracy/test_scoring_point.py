@@ -167,6 +167,7 @@ def test_labels_per_row_outside_the_validated_range_are_scored_at_the_last_shape
     assert "measured at samples=64, the held-out inputs cut or padded from the data's own sizes (samples=16)" in (
         caplog.text
     )
+    assert "cut by keeping the first positions" in caplog.text  # which end a forecaster's window loses
 
 
 def test_the_report_names_the_sizes_accuracy_was_measured_at() -> None:
