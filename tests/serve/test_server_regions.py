@@ -4,12 +4,11 @@ processes. No server is started here: a folder stands in for /dev/shm."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
-import psutil
-import pytest
-
-from kiln.serve.server import _own_resource_tracker, _Reaper, _StopRequest, pytriton_regions
+from kiln.serve.server import _Reaper, _StopRequest, pytriton_regions
 
 
 def _regions(folder: Path, pid: int) -> tuple[Path, Path, Path]:
@@ -40,17 +39,25 @@ def test_the_reaper_removes_the_pytriton_region_a_stopped_server_left(tmp_path: 
     assert other.exists() and plain.exists()
 
 
+# run in a fresh interpreter: a test process whose tracker an earlier test started could not show the reaper
+# leaving one alone that starts after it, as PyTriton's does under load
+_TRACKER_CHECK = """
+import psutil
+from multiprocessing import resource_tracker
+from kiln.serve.server import _own_resource_tracker, _Reaper, _StopRequest
+assert resource_tracker._resource_tracker._pid is None
+reaper = _Reaper(_StopRequest(), deadline_s=60.0, exit_process=False)
+resource_tracker.ensure_running()
+tracker = psutil.Process(resource_tracker._resource_tracker._pid)
+reaper._look()
+reaper.close()
+assert tracker.is_running() and tracker.pid not in reaper._tree, "the tracker was taken for a server process"
+assert not _own_resource_tracker(psutil.Process())
+"""
+
+
 def test_this_processs_resource_tracker_is_no_process_of_the_server() -> None:
     """PyTriton's shared memory starts this process's multiprocessing resource tracker, which ends with this process
     only: a stop that counted it among the server's processes would wait for it to its deadline, then kill it."""
-    from multiprocessing import resource_tracker
-
-    if resource_tracker._resource_tracker._pid is not None:
-        pytest.skip("this process's resource tracker started before the test: the reaper leaves it be anyway")
-    reaper = _Reaper(_StopRequest(), deadline_s=60.0, exit_process=False)
-    resource_tracker.ensure_running()  # after the reaper, as PyTriton starts it under load
-    tracker = psutil.Process(resource_tracker._resource_tracker._pid)
-    reaper._look()  # what its thread does every 0.5 s
-    reaper.close()
-    assert tracker.is_running() and tracker.pid not in reaper._tree
-    assert not _own_resource_tracker(psutil.Process())
+    done = subprocess.run([sys.executable, "-c", _TRACKER_CHECK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
