@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -33,6 +34,9 @@ from kiln.stages.train.config import TrainConfig
 from kiln.stages.validate.config import ValidateConfig
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
+# How errors name a config given as a Python dict, and an override a Python caller gave (not a --set)
+DICT_SOURCE = "(config dict)"
+PYTHON_OVERRIDE = "override"
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 # The sections live with the stages that read them; importable from here too.
 __all__ = [
@@ -119,9 +123,9 @@ def _explain(err: ValidationError, source: str, given: dict[str, str]) -> Config
         if own:
             label = f"invalid {given[own]}"
         elif shared:
-            label = f"invalid config {source} with {given[shared]}"
+            label = f"invalid config {source or DICT_SOURCE} with {given[shared]}"
         else:
-            label = f"invalid config {source}"
+            label = f"invalid config {source or DICT_SOURCE}"
         said.setdefault(label, []).append(_said(e, key, msg, at_set=own is not None and key in _places(own)))
         if hint is None:
             hint = _fix(e, key, own, shared, given)
@@ -203,21 +207,37 @@ def _fix(e: Any, key: str, own: str | None, shared: str | None, given: dict[str,
             else "see `kiln config` for every key and its default"
         )
     words = given[own]
+    python = words.startswith(f"{PYTHON_OVERRIDE} ")
     text = words.partition("=")[2] if words.startswith(f"--set {own}=") else None
     if e["type"] == "extra_forbidden":
         leaf = str(e["loc"][-1])
         close = [c] if (c := _closest_key(e)) else []
         parts, at = own.split("."), len(e["loc"]) - 1
-        if close and text is not None and ".".join(parts[: at + 1]) == key:  # the misspelt part is the --set key's
+        if close and (text is not None or python) and ".".join(parts[: at + 1]) == key:  # the override key's part
             parts[at] = close[0]
+            if python:
+                return f"write '{'.'.join(parts)}' for '{own}' in the overrides (the key as `kiln config` prints it)"
             return f"--set {'.'.join(parts)}={text} (the key as `kiln config` prints it)"
         if close:
             return f"write '{close[0]}' for '{leaf}' in {words} (`kiln config` prints every key)"
         return f"use one of the keys listed, in {words} ({PRINTS_KEYS})"
     scalar = isinstance(e.get("input"), (str, int, float))
-    if e["type"] in ("list_type", "tuple_type") and key in _places(own) and scalar and text is not None:
-        return f"write the list in brackets: --set {own}=[{text}]"
-    return f"give {words.partition('=')[0]} a value the key takes ({PRINTS_KEYS})"
+    if e["type"] in ("list_type", "tuple_type") and key in _places(own) and scalar:
+        if python:
+            return f"give the list as a Python list: {{'{own}': {_as_list(own, e['input'])!r}}}"
+        if text is not None:
+            return f"write the list in brackets: --set {own}=[{text}]"
+    what = f"the {words.partition('=')[0]}" if python else words.partition("=")[0]
+    return f"give {what} a value the key takes ({PRINTS_KEYS})"
+
+
+def _as_list(dotted: str, value: str | int | float) -> list[Any]:
+    """A single value given for a list key, as the list it most likely meant (``'1,8'`` -> ``[1, 8]``)."""
+    try:
+        out = set_value(dotted, value) if isinstance(value, str) else [value]
+    except ConfigError:
+        out = [value]
+    return out if isinstance(out, list) else [out]
 
 
 def _field_names(model: type[Section]) -> list[str]:
@@ -240,13 +260,39 @@ def _model_at(loc: tuple[Any, ...]) -> type[Section] | None:
     return model
 
 
-def config_from_dict(data: dict[str, Any], source: str = "", given: dict[str, str] | None = None) -> KilnConfig:
-    """Validate a raw config. ``given``: the keys set from the command line -> the words that set them, for its
-    errors to name those words rather than the file (``source``)."""
+def config_from_dict(
+    data: dict[str, Any],
+    source: str = DICT_SOURCE,
+    given: dict[str, str] | None = None,
+    *,
+    base: str | Path | None = None,
+) -> KilnConfig:
+    """Validate a raw config, with the checks :func:`load_config` makes: ``model.checkpoint`` and ``model.onnx``
+    must exist (a relative path is relative to ``base``, by default the current folder, and is made absolute),
+    built-in names must be known, and settings that cannot work together are refused before any stage runs.
+    ``given``: the keys set from the command line -> the words that set them, for its errors to name those words
+    rather than the config (``source``)."""
+    config = _validated(data, source, given)
+    folder = Path(base) if base is not None else Path()
+    rule = f"relative to {folder.resolve()}" if base is not None else "relative to the current folder"
+    _check_config(config, folder, {}, f"a relative path in a config dict is {rule}", "an override")
+    return config
+
+
+def _validated(data: dict[str, Any], source: str, given: dict[str, str] | None) -> KilnConfig:
+    """The config's schema alone: its types, keys and checks across keys, errors said under ``source``."""
     try:
         return KilnConfig.model_validate(data)
     except ValidationError as err:
         raise _explain(err, source, given or {}) from None
+
+
+def _check_config(config: KilnConfig, base: Path, overrides: dict[str, Any], rule: str, set_by: str) -> None:
+    """The checks beyond the schema, made on every config however it was given: its files (``base`` and ``rule``
+    as :func:`_check_files` takes them), its built-in names and its combinations."""
+    _check_files(config, base, overrides, rule, set_by)
+    _check_names(config)
+    _check_combinations(config)
 
 
 def load_config(
@@ -254,50 +300,64 @@ def load_config(
 ) -> KilnConfig:
     """Read a YAML/TOML/JSON file (or the built-in demo, ``demo.yaml``, when ``path`` is None) and validate it,
     with ``overrides`` (dotted key -> value) set over it. ``given`` maps an override's key to the words that gave
-    it on the command line (``--set train.epochs=abc``), which its errors quote; by default ``--set key=value``
-    with the value written as YAML."""
+    it on the command line (``--set train.epochs=abc``), which its errors quote; a key it leaves out is quoted as
+    ``--set key=value``. Without ``given`` (a Python caller) an override is quoted as Python wrote it
+    (``override train.epochs='abc'``) and its fixes say how to write it in Python."""
     data: dict[str, Any] = {}
     source = "(built-in demo)"
     if path is None:
         data = yaml.safe_load(DEMO_CONFIG.read_text())
     else:
-        p = Path(path)
-        source = str(p)
-        if not p.is_file():
-            raise InputFileError(
-                f"config file not found: {p}", hint="pass an existing .yaml/.toml file, or none for the demo"
-            )
-        _check_kind(p)
-        if p.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(
-                f"config {p} is {p.stat().st_size} bytes; a run config is at most {MAX_CONFIG_BYTES}",
-                hint="pass the run config itself, not a data file",
-            )
-        try:
-            text = p.read_text()
-        except UnicodeDecodeError:
-            raise ConfigError(f"config {p} is not a text file", hint="pass a .yaml/.toml/.json run config") from None
-        if not text.strip() or (p.suffix.lower() not in (".toml", ".json") and _only_comments(text)):
-            raise ConfigError(
-                f"config {p} is empty",
-                hint="write at least the model: section (`kiln config` "
-                "prints a full one), or pass no CONFIG to run the demo",
-            )
-        data = _parse(p, text)
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"config {p} must be a mapping of sections, got {type(data).__name__}",
-                hint="start the file with sections such as `model:` (see `kiln config`)",
-            )
-    said = {k: (given or {}).get(k) or f"--set {k}={_shown(v)}" for k, v in (overrides or {}).items()}
+        data, source = _read(Path(path)), str(path)
+    said = {k: _words(k, v, given) for k, v in (overrides or {}).items()}
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value, said[dotted])
     _check_size(data, Path(source))  # file and --set values alike
-    config = config_from_dict(data, source, said)
-    _check_files(config, Path(path).parent if path else Path(), overrides or {})
-    _check_names(config)
-    _check_combinations(config)
+    config = _validated(data, source, said)
+    rule = "a path in the config file is relative to the file's folder"
+    set_by = "--set" if given is not None else "an override"
+    _check_config(config, Path(path).parent if path else Path(), overrides or {}, rule, set_by)
     return config
+
+
+def _words(key: str, value: Any, given: dict[str, str] | None) -> str:
+    """The words an error quotes for an override: the command line's where the CLI gave them (``given``), the
+    ``--set`` that would write it for a key the CLI set otherwise, else the override as Python wrote it."""
+    if given is None:
+        return f"{PYTHON_OVERRIDE} {key}={_shown(value, repr)}"
+    return given.get(key) or f"--set {key}={_shown(value)}"
+
+
+def _read(p: Path) -> dict[str, Any]:
+    """The mapping a config file holds, refused with one error where the file is missing, of a kind Kiln does not
+    read, too large, not text, empty, unparsable or not a mapping of sections."""
+    if not p.is_file():
+        raise InputFileError(
+            f"config file not found: {p}", hint="pass an existing .yaml/.toml file, or none for the demo"
+        )
+    _check_kind(p)
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config {p} is {p.stat().st_size} bytes; a run config is at most {MAX_CONFIG_BYTES}",
+            hint="pass the run config itself, not a data file",
+        )
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError:
+        raise ConfigError(f"config {p} is not a text file", hint="pass a .yaml/.toml/.json run config") from None
+    if not text.strip() or (p.suffix.lower() not in (".toml", ".json") and _only_comments(text)):
+        raise ConfigError(
+            f"config {p} is empty",
+            hint="write at least the model: section (`kiln config` "
+            "prints a full one), or pass no CONFIG to run the demo",
+        )
+    data = _parse(p, text)
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config {p} must be a mapping of sections, got {type(data).__name__}",
+            hint="start the file with sections such as `model:` (see `kiln config`)",
+        )
+    return data
 
 
 def _check_kind(p: Path) -> None:
@@ -480,9 +540,12 @@ def _check_size(data: Any, p: Path) -> None:
             stack += [(v, depth + 1) for v in node]
 
 
-def _shown(value: Any) -> str:
-    """A value as a ``--set`` would write it (text as is, anything else as YAML), cut short if long."""
-    if isinstance(value, str):
+def _shown(value: Any, written: Callable[[Any], str] | None = None) -> str:
+    """A value as a ``--set`` would write it (text as is, anything else as YAML), or as ``written`` writes it
+    (``repr``: as Python wrote it), cut short if long."""
+    if written is not None:
+        out = written(value)
+    elif isinstance(value, str):
         out = value
     else:
         try:
@@ -503,9 +566,15 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any, words: str) -> No
             prefix = ".".join(parents[: i + 1])
             raise ConfigError(
                 f"invalid {words}: '{prefix}' is a value ({node!r}), not a section",
-                hint=f"use --set {prefix}=VALUE, or see `kiln config` for the keys under each section",
+                hint=f"use {_as_set(words, prefix)}, or see `kiln config` for the keys under each section",
             )
     node[leaf] = value
+
+
+def _as_set(words: str, key: str) -> str:
+    """How the caller that gave ``words`` sets ``key``: ``--set key=VALUE`` on the command line, else an override
+    ``{'key': VALUE}`` in Python."""
+    return f"--set {key}=VALUE" if words.startswith("--set ") else f"the override {{'{key}': VALUE}}"
 
 
 def set_value(dotted: str, text: str) -> Any:
@@ -601,9 +670,10 @@ def _from_command_line(overrides: dict[str, Any], key: str) -> bool:
     return f"model.{key}" in overrides or (isinstance(model, dict) and key in model)
 
 
-def _check_files(config: KilnConfig, base: Path, overrides: dict[str, Any]) -> None:
-    """``model.checkpoint`` and ``model.onnx`` made absolute. A relative path in the file is relative to the file's
-    folder (``base``); one given on the command line to the folder the command runs in, as any command's path."""
+def _check_files(config: KilnConfig, base: Path, overrides: dict[str, Any], rule: str, set_by: str) -> None:
+    """``model.checkpoint`` and ``model.onnx`` made absolute. A relative path in the config is relative to ``base``
+    (``rule`` says so: the file's folder, or the folder a config dict is read from); one given as an override
+    (``set_by``: ``--set`` or a Python caller's override) to the current folder, as any command's path."""
     for key, hint in (
         ("checkpoint", "fix the path or remove model.checkpoint to train"),
         ("onnx", "fix the path, or remove model.onnx to start from the PyTorch model"),
@@ -614,14 +684,14 @@ def _check_files(config: KilnConfig, base: Path, overrides: dict[str, Any]) -> N
         here = _from_command_line(overrides, key)
         p = Path(given) if Path(given).is_absolute() or here else base / given
         if not p.is_file():
-            rule = (
+            said = (
                 ""
                 if Path(given).is_absolute()
-                else " (a path given with --set is relative to the current folder)"
+                else f" (a path given with {set_by} is relative to the current folder)"
                 if here
-                else " (a path in the config file is relative to the file's folder)"
+                else f" ({rule})"
             )
-            raise InputFileError(f"model.{key} not found: {p}{rule}", hint=hint)
+            raise InputFileError(f"model.{key} not found: {p}{said}", hint=hint)
         setattr(config.model, key, str(p.resolve()))
 
 

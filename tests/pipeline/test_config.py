@@ -125,10 +125,12 @@ def test_one_per_precision_override_keeps_the_other_defaults() -> None:
     assert dumped.validate_.gates.per_precision == per
 
 
-def test_the_dump_of_an_onnx_start_reads_back_as_one() -> None:
+def test_the_dump_of_an_onnx_start_reads_back_as_one(tmp_path: Path, monkeypatch) -> None:
     """`kiln config` of a run from model.onnx, run back: no default model.name that turns it into a PyTorch run."""
     from kiln.models.model_io import torch_model_named
 
+    (tmp_path / "m.onnx").write_text("")
+    monkeypatch.chdir(tmp_path)
     cfg = config_from_dict({"model": {"onnx": "m.onnx"}})
     again = config_from_dict(cfg.dump())
     assert again == cfg and not torch_model_named(again.model)
@@ -182,7 +184,7 @@ def test_a_seed_torch_or_numpy_refuses_is_a_config_error(seed: int) -> None:
     for key in ("seed", "optimize.seed"):
         with pytest.raises(ConfigError) as e:
             load_config(None, {key: seed})
-        assert f"invalid --set {key}={seed}: a seed is a whole number from 0 to {2**63 - 1}" in e.value.message
+        assert f"invalid override {key}={seed}: a seed is a whole number from 0 to {2**63 - 1}" in e.value.message
     assert load_config(None, {"seed": 2**63 - 1, "optimize.seed": 0}).seed == 2**63 - 1
 
 
@@ -231,7 +233,9 @@ def test_a_path_given_with_set_is_relative_to_the_current_folder(tmp_path: Path,
     named = load_config(config, {"model.name": "cnn", "model.checkpoint": "w.pt"})
     assert named.model.checkpoint == str(tmp_path / "sub" / "w.pt")
     with pytest.raises(InputFileError, match=r"model.onnx not found: \S*nope.onnx \(a path given with --set"):
-        load_config(config, {"model.onnx": "nope.onnx"})
+        load_config(config, {"model.onnx": "nope.onnx"}, given={"model.onnx": "--set model.onnx=nope.onnx"})
+    with pytest.raises(InputFileError, match=r"model.onnx not found: \S*nope.onnx \(a path given with an override"):
+        load_config(config, {"model.onnx": "nope.onnx"})  # a Python caller's override: no --set to speak of
 
 
 def test_a_checkpoint_with_an_onnx_start_and_no_model_name_is_a_config_error(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ def cfg(tmp_path: Path) -> Path:
 
 def _error(path: Path | None, overrides: dict | None = None) -> ConfigError:
     with pytest.raises(ConfigError) as e:
-        load_config(path, overrides)
+        load_config(path, overrides, given={})
     assert "\n" not in e.value.message and e.value.hint and "\n" not in e.value.hint
     return e.value
 
@@ -193,6 +193,6 @@ def test_a_toml_syntax_error_gets_a_fix_of_its_own(tmp_path: Path, text: str, wo
 def test_a_sections_own_check_that_names_the_set_key_by_a_dotted_path_names_the_set(cfg: Path) -> None:
     """train.amp's check says 'amp.loss_scale must be ...': the key with its section, which the match missed."""
     with pytest.raises(ConfigError) as err:
-        load_config(cfg, {"train.amp.loss_scale": 0})
+        load_config(cfg, {"train.amp.loss_scale": 0}, given={})
     assert err.value.message.startswith(f"invalid config {cfg} with --set train.amp.loss_scale=0: ")
     assert "--set train.amp.loss_scale=0" in err.value.hint
