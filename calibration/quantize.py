@@ -20,6 +20,7 @@ from kiln.calibration.ranges import Ranges, _ort_method, ranges_file
 from kiln.core.cpu_int8 import ORT_CPU_STATIC_INTEGER, resolve_reduce_range
 from kiln.core.errors import ModelError, refuse_unknown_names
 from kiln.core.graphsurgeon import gs
+from kiln.core.logs import root_handlers_kept
 from kiln.core.onnx_io import rename_values, value_names
 from kiln.core.text import first_line
 
@@ -251,7 +252,7 @@ def quantize_int8(
         unshare_biases(source)
     try:
         # uncached ranges: a scratch file for this call only
-        with ranges_file(ranges) as cache_path, unbounded_quietly(ranges):
+        with ranges_file(ranges) as cache_path, unbounded_quietly(ranges), root_handlers_kept():
             quantize_static(
                 source,
                 str(out_path),
@@ -391,7 +392,7 @@ def quantize_fp8(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _quiet_ort_preprocess_warning()
     try:
-        with ranges_file(_as_distribution(ranges)) as cache_path, unbounded_quietly(ranges):
+        with ranges_file(_as_distribution(ranges)) as cache_path, unbounded_quietly(ranges), root_handlers_kept():
             quantize_static(
                 model,
                 str(out_path),
@@ -535,17 +536,18 @@ def quantize_int8_dynamic(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _quiet_ort_preprocess_warning()
     try:
-        quantize_dynamic(
-            str(model_path),
-            str(out_path),
-            op_types_to_quantize=dynamic_op_types(cfg),  # never empty: ORT reads an empty list as "every op it can"
-            per_channel=cfg.per_channel,
-            weight_type=QuantType.QInt8,  # u8 activations x s8 weights: the VNNI / AVX2 kernel pairing
-            reduce_range=seven_bits,
-            nodes_to_exclude=sorted(exclude),
-            use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
-            extra_options=UNTYPED_AS_FLOAT,
-        )
+        with root_handlers_kept():  # ORT's quantizers' module-level logging.warning() would add a root handler
+            quantize_dynamic(
+                str(model_path),
+                str(out_path),
+                op_types_to_quantize=dynamic_op_types(cfg),  # never empty: ORT reads an empty list as "every op it can"
+                per_channel=cfg.per_channel,
+                weight_type=QuantType.QInt8,  # u8 activations x s8 weights: the VNNI / AVX2 kernel pairing
+                reduce_range=seven_bits,
+                nodes_to_exclude=sorted(exclude),
+                use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
+                extra_options=UNTYPED_AS_FLOAT,
+            )
     except Exception as exc:  # ORT's quantizer raises plain exceptions on graphs it cannot quantize
         raise quantizer_failed("quantize_dynamic", exc, model, "int8") from None
     q = onnx.load(str(out_path), load_external_data=False)

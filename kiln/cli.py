@@ -36,6 +36,7 @@ from kiln.core.errors import (
     disk_full,
     storage_error,
 )
+from kiln.core.logs import SaidOnce
 from kiln.core.ownership import claim_folder, output_file, record_owned, refuse_link, scratch_root
 from kiln.pipeline.stage_list import STAGE_NAMES, stage_named
 from kiln.stages.engines import BACKEND_NAMES
@@ -304,10 +305,6 @@ THIRD_PARTY_NOISE = (
     "The PyTorch API of nested tensors is in prototype stage",  # nn.TransformerEncoder's own eval fast path
 )
 THIRD_PARTY_LOGGERS = ("py.warnings", "onnxruntime", "onnxconverter_common", "onnx_graphsurgeon")
-# Loggers whose warnings are said once per process (:class:`_SaidOnce`): the pipeline's stages, one logger each.
-ONCE_LOGGERS = tuple(
-    f"kiln.{s}" for s in ("train", "export", "optimize", "precision", "calibration", "build", "validate")
-)
 
 
 class _ThirdParty(logging.Filter):
@@ -323,26 +320,6 @@ class _ThirdParty(logging.Filter):
     def __init__(self, level: int) -> None:
         super().__init__()
         self.level = level
-
-
-class _SaidOnce(logging.Filter):
-    """Drop a stage's warning already said word for word in this process: ``kiln run`` reads the held-out rows in
-    the precision stage (for the fallback) and again in validate, and a warning about the data or the model (one
-    class on top everywhere, a metric of 0) would print once per stage. The server's warnings, said per request or
-    per client, are kept."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.said: set[tuple[str, str]] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.WARNING or not record.name.startswith(ONCE_LOGGERS):
-            return True
-        key = (record.name, record.getMessage())
-        if key in self.said:
-            return False
-        self.said.add(key)
-        return True
 
 
 class _PlainHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -374,7 +351,7 @@ def _setup_logging(quiet: bool, verbose: int) -> None:
         else _PlainHandler()
     )
     handler.addFilter(_ThirdParty(level))
-    handler.addFilter(_SaidOnce())
+    handler.addFilter(SaidOnce())  # also for the commands on one file, which run stage code outside a run
     logger = logging.getLogger("kiln")
     logger.handlers[:] = [handler]
     logger.setLevel(level)

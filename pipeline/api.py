@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 from kiln.core.artifacts import ensure_writable
 from kiln.core.errors import ConfigError, KilnError, storage_error
+from kiln.core.logs import warnings_said_once
 from kiln.core.ownership import SCRATCH, scratch_root
 from kiln.core.progress import Progress
-from kiln.pipeline.config import KilnConfig
+from kiln.pipeline.config import KilnConfig, config_from_dict, load_config
 from kiln.pipeline.report import build_report, write_report
 from kiln.pipeline.runner import Runner, RunResult, StageRecord
 from kiln.pipeline.stage_list import STAGE_NAMES, STAGES, stage_named
@@ -18,17 +19,28 @@ from kiln.pipeline.workdir_lock import LOCK_NAME, workdir_lock
 
 
 def run_pipeline(
-    config: KilnConfig,
+    config: KilnConfig | dict[str, Any] | str | Path,
     workdir: str | Path,
     *,
-    force: set[str] | None = None,
+    force: Collection[str] | str | None = None,
     start: str | None = None,
     stop: str | None = None,
-    only: list[str] | None = None,
+    only: Collection[str] | str | None = None,
     progress: Progress | None = None,
     on_stage: Callable[[StageRecord], Any] | None = None,
 ) -> tuple[RunResult, dict[str, Any]]:
-    """Run stages in order with caching; ``only`` restricts to those stages (their inputs must exist)."""
+    """Run stages in order with caching; ``only`` restricts to those stages (their inputs must exist).
+
+    Args:
+        config: the run config; a dict (validated as a config file's sections) or a config file's path also does.
+        workdir: the run's folder (new, empty, or one an earlier run used).
+        force: stages to rerun even when cached; a single name is one stage.
+        start, stop: the first and last stage to run.
+        only: the stages to run, alone; a single name is one stage.
+        progress, on_stage: told as the stages run.
+    """
+    config = as_config(config)
+    force, only = _stage_set(force), _stage_set(only)
     for name in [*(force or ()), start, stop, *(only or ())]:
         if name is not None:
             stage_named(name)  # raises ConfigError listing valid stage names
@@ -41,7 +53,8 @@ def run_pipeline(
     workdir = Path(workdir)
     refuse_foreign_workdir(workdir)
     ensure_writable(workdir, "--workdir")
-    with workdir_lock(workdir), scratch_root(workdir):  # temporary files inside the workdir, removed after
+    # temporary files inside the workdir, removed after; a warning two stages say word for word, said once
+    with workdir_lock(workdir), scratch_root(workdir), warnings_said_once():
         runner = Runner(config, workdir, stages, progress, on_stage, upstream=STAGES)
         result = runner.run(force=force, start=start, stop=stop)
         try:
@@ -50,6 +63,27 @@ def run_pipeline(
             report = build_report(result, config, workdir)
             result.error = _not_written(result.error, storage_error(exc, "writing report.json / report.md"))
     return result, report
+
+
+def as_config(config: object) -> KilnConfig:
+    """The run config from what the caller passed: a KilnConfig, a dict of sections or a config file's path."""
+    if isinstance(config, KilnConfig):
+        return config
+    if isinstance(config, dict):
+        return config_from_dict(config)
+    if isinstance(config, (str, Path)):
+        return load_config(config)
+    raise ConfigError(
+        f"run_pipeline takes a KilnConfig, a dict or a config file path, got {type(config).__name__}",
+        hint="pass load_config('my.yaml'), config_from_dict({...}), a dict of config sections or a file path",
+    )
+
+
+def _stage_set(names: Collection[str] | str | None) -> set[str] | None:
+    """Stage names as a set; a single string is one stage's name, not its letters."""
+    if names is None:
+        return None
+    return {names} if isinstance(names, str) else set(names)
 
 
 def refuse_foreign_workdir(workdir: Path) -> None:

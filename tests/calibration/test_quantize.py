@@ -4,6 +4,7 @@ in an order the ONNX checker takes."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -104,3 +105,20 @@ def test_quantized_graphs_whose_if_bodies_read_outer_tensors_pass_the_checker(tm
     onnx.checker.check_model(quantized)
     assert any(n.op_type in ("QuantizeLinear", "MatMulInteger") for n in quantized.graph.node)
     assert np.abs(_run(out, {"x": x}) - _run(src, {"x": x})).max() < 0.1
+
+
+@pytest.mark.parametrize("scheme", ["static", "dynamic"])
+def test_quantizing_leaves_the_root_loggers_handlers_as_they_were(
+    tmp_path: Path, scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ORT's quantizers log with the module-level ``logging.warning()``, which gives a root logger without handlers
+    a handler of its own (``logging.basicConfig``); Kiln takes it away again, so the process's logging is as it
+    was (no raw ``WARNING:name:...`` lines in a notebook from then on)."""
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # a plain Python process's root logger
+    src = _branching(tmp_path / "m.onnx")
+    x = np.random.default_rng(3).random((16, 8), dtype=np.float32)
+    if scheme == "static":
+        quantize_int8(src, tmp_path / "q.onnx", calibrate(src, [x], "x", "minmax", cache_dir=None), CalibrationConfig())
+    else:
+        quantize_int8_dynamic(src, tmp_path / "q.onnx", CalibrationConfig())
+    assert logging.getLogger().handlers == []
