@@ -13,6 +13,7 @@ import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import ConfigError
@@ -76,6 +77,18 @@ DOING: dict[str, str] = {"model": "building the model", "dataset": "loading data
 RETURNS: dict[str, str] = {"model": "return the model", "dataset": "return the DatasetSplits"}
 
 
+# How resolve_callable imports a module. kiln.pipeline.user_code sets its import_fresh, which reloads a user's
+# module whose files changed since it was loaded, so that the code a stage runs is the code its cache key hashes
+# (that version of the code is the pipeline's, a layer above this one).
+_import: Callable[[str], ModuleType] = importlib.import_module
+
+
+def use_importer(importer: Callable[[str], ModuleType]) -> None:
+    """Import the modules of user code with ``importer`` (``importlib.import_module``'s signature)."""
+    global _import
+    _import = importer
+
+
 def example_path(kind: str, module: str | None = None) -> str:
     """An import path of the form ``kind`` expects (``mydata:load`` for a dataset), in ``module`` if given."""
     _, default_module, function = KINDS.get(kind, ("function", "mypkg", "function"))
@@ -126,7 +139,7 @@ def resolve_callable(ref: str, table: dict[str, str], kind: str) -> Callable[...
     ref = table.get(ref, ref)
     module_name, _, attr = ref.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except ImportError as exc:
         hint = (
             "run kiln from the folder holding the module, or put it next to the config (the kiln command imports "

@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+import uuid
 from collections.abc import Callable, Collection, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -302,11 +303,37 @@ def user_code(config: KilnConfig, sections: tuple[str, ...]) -> dict[str, str]:
         if not any(key == s or key.startswith(s + ".") for s in sections):
             continue
         ref = config_at(config, key)
-        if isinstance(ref, str) and ":" in ref:
+        if isinstance(ref, str) and ref.partition(":")[0] == "__main__" and _fileless_main():
+            out[ref] = _unversioned(key, ref)
+        elif isinstance(ref, str) and ":" in ref:
             version = _source_version(ref, label)
             if version:
                 out[ref] = version
     return out
+
+
+# This run's stand-in versions of code that has no file to hash (see _unversioned), cleared as each run starts
+_UNVERSIONED: dict[str, str] = {}
+
+
+def _fileless_main() -> bool:
+    """Is ``__main__`` a notebook or ``python -c``, with no source file?"""
+    main = sys.modules.get("__main__")
+    return main is not None and not getattr(main, "__file__", None)
+
+
+def _unversioned(key: str, ref: str) -> str:
+    """A version for ``ref`` in a ``__main__`` without a file, which no earlier run's matches (code that cannot be
+    hashed must not reuse what older code made); the run warns of it once."""
+    if ref not in _UNVERSIONED:
+        log.warning(
+            "%s '%s' is defined in __main__ (a notebook or python -c), which has no file to version: the stages "
+            "that use it rerun on every call; put it in a module file to have them cached",
+            key,
+            ref,
+        )
+        _UNVERSIONED[ref] = f"unversioned-{uuid.uuid4().hex}"
+    return _UNVERSIONED[ref]
 
 
 def code_roots(refs: dict[str, str]) -> list[str]:
@@ -394,6 +421,7 @@ class Runner:
     def run(self, force: set[str] | None = None, start: str | None = None, stop: str | None = None) -> RunResult:
         """``force``: rerun these stages; ``start``: rerun from this stage on; ``stop``: end after this stage."""
         began = time.perf_counter()
+        _UNVERSIONED.clear()  # code with no file gets a new version each run
         self.workdir.mkdir(parents=True, exist_ok=True)
         clean_stale_staging(self.workdir)
         keep_facts_in(self.workdir / "cache")  # the device's facts, read back while this boot lasts (kiln.core.env)

@@ -9,21 +9,33 @@ than ``sys.modules`` (which depends on what ran before), plus the ``__init__.py`
 code installed in site-packages, its distribution's RECORD (pip's list of every installed file with its sha256), so
 a package reinstalled at the same version still changes the key without a scan of everything it imports. Code
 loaded dynamically (``importlib`` plugins) is not seen.
+
+The code a stage runs must be the code its key hashes: :func:`import_fresh`, which resolving a user's function
+(``kiln.models.registry``) imports with, reloads a local module that an earlier run in the same process (a
+notebook) or the user loaded before its files changed.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import importlib.metadata
+import os
 import site
 import sys
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from importlib.machinery import ModuleSpec, PathFinder
 from pathlib import Path
 from types import ModuleType
 
 from kiln.core.artifacts import hash_file, hash_json
+from kiln.models.registry import use_importer
+
+# A local module's file -> its hash when Kiln last imported, reloaded or found it current (see import_fresh)
+_RAN: dict[str, str] = {}
 
 
 def code_version(module: ModuleType | str) -> str | None:
@@ -80,23 +92,111 @@ def _find_unrun(name: str) -> tuple[ModuleSpec | None, ModuleSpec | None]:
 
 def local_sources(start: Path, roots: list[Path]) -> list[Path]:
     """``start``, the local modules it imports (transitively) and the ``__init__.py`` of their packages."""
+    return sorted(_import_order(start, roots))
+
+
+def _import_order(start: Path, roots: list[Path]) -> list[Path]:
+    """:func:`local_sources` with each file after the files it imports (a cycle broken where it closes)."""
+    order: list[Path] = []
     seen: set[Path] = set()
-    todo = [start]
+    todo: list[tuple[Path, bool]] = [(start, False)]  # (file, its imports are placed already)
     while todo:
-        path = todo.pop()
+        path, done = todo.pop()
+        if done:
+            order.append(path)
+            continue
         if path in seen or not path.is_file():
             continue
         seen.add(path)
-        todo += _package_inits(path, roots)
+        todo.append((path, True))
+        todo += [(p, False) for p in reversed(_imports_of(path, roots))]
+    return order
+
+
+def _imports_of(path: Path, roots: list[Path]) -> list[Path]:
+    """The local files ``path`` imports and the ``__init__.py`` of its packages (which run before it)."""
+    found = _package_inits(path, roots)
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except (SyntaxError, ValueError):
+        return found  # not Python source (an extension module): its bytes are hashed all the same
+    return found + [f for name in _imported_names(tree, path) if (f := _find(name, roots)) is not None]
+
+
+def import_fresh(name: str) -> ModuleType:
+    """``importlib.import_module``, except that a user's local modules loaded before their files changed (edited
+    since Kiln last ran them, or imported by the user before Kiln saw them) are reloaded from their files first,
+    each after the local modules it imports: the code a stage runs is then the code its cache key hashes
+    (:func:`code_version`). Modules unchanged since Kiln last ran them are not reloaded; installed packages, Kiln's
+    own modules and ``__main__`` (reloading it would rerun the script) are imported as they are."""
+    files = _reloadable(name)
+    if files is None:
+        return importlib.import_module(name)
+    hashes = {path: hash_file(Path(path)) for path in files}
+    loaded = _loaded(files)
+    stale = False
+    for path in files:  # each after what it imports: a reloaded dependent picks up its dependencies' new names
+        module = loaded.get(path)
+        stale = stale or (module is not None and _RAN.get(path) != hashes[path])
+        if module is not None and stale:
+            with _no_bytecode():
+                importlib.reload(module)
+    module = importlib.import_module(name)
+    _RAN.update({path: hashes[path] for path in _loaded(files)})  # those it loaded for the first time included
+    return module
+
+
+def _loaded(files: list[str]) -> dict[str, ModuleType]:
+    """The modules in ``sys.modules`` loaded from ``files``, by file (not ``__main__``, a script run as one)."""
+    wanted = set(files)
+    return {
+        path: m
+        for key, m in list(sys.modules.items())
+        if not _kept(key) and (path := _file_of(m)) is not None and path in wanted
+    }
+
+
+def _kept(name: str) -> bool:
+    """Is module ``name`` one :func:`import_fresh` never reloads: ``__main__``, Kiln's own or Python's?"""
+    top = name.partition(".")[0]
+    return name == "__main__" or top == "kiln" or top in sys.stdlib_module_names
+
+
+def _reloadable(name: str) -> list[str] | None:
+    """The files of module ``name`` and the local modules it imports, each after those it imports, found without
+    running it; None for code Kiln must not reload (see :func:`import_fresh`) or cannot find."""
+    if _kept(name):
+        return None
+    try:
+        top, spec = _find_unrun(name)
+    except (ImportError, ValueError):
+        return None
+    if top is None or spec is None or not spec.has_location or not spec.origin:
+        return None
+    roots = _roots(top.submodule_search_locations, top.origin if top.has_location else None)
+    roots = [r for r in roots if not _installed(r)]
+    if not roots:
+        return None
+    return [os.path.abspath(p) for p in _import_order(Path(spec.origin).absolute(), roots)]
+
+
+def _file_of(module: ModuleType | None) -> str | None:
+    file = getattr(module, "__file__", None)
+    return os.path.abspath(file) if isinstance(file, str) else None
+
+
+@contextmanager
+def _no_bytecode() -> Iterator[None]:
+    """Compile from the source file, neither reading nor writing ``__pycache__``: Python takes a ``.pyc`` of the
+    old code as current when the edit kept the file's size and the second of its mtime."""
+    prefix, dont_write = sys.pycache_prefix, sys.dont_write_bytecode
+    with tempfile.TemporaryDirectory() as empty:
+        sys.pycache_prefix, sys.dont_write_bytecode = empty, True
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-        except (SyntaxError, ValueError):
-            continue  # not Python source (an extension module): its bytes are hashed all the same
-        for name in _imported_names(tree, path):
-            found = _find(name, roots)
-            if found is not None:
-                todo.append(found)
-    return sorted(seen)
+            importlib.invalidate_caches()
+            yield
+        finally:
+            sys.pycache_prefix, sys.dont_write_bytecode = prefix, dont_write
 
 
 def _imported_names(tree: ast.AST, path: Path) -> list[str | Path]:
@@ -180,3 +280,6 @@ def _distribution_records(top_name: str) -> tuple[str, ...]:
 def _installed(path: Path) -> bool:
     dirs = [Path(p).absolute() for p in [*site.getsitepackages(), site.getusersitepackages()]]
     return any(path == d or path.is_relative_to(d) for d in dirs)
+
+
+use_importer(import_fresh)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -126,3 +127,58 @@ def test_the_folder_user_code_is_imported_from_is_recorded_for_loadtest(project,
     recorded = [str(project), str(root), str(tmp_path / "gone")]  # root: on the path (PYTHONPATH's), left as it is
     (validate / "manifest.json").write_text(json.dumps({"code_roots": recorded}))
     assert recorded_code_roots(tmp_path / "wd" / "build" / "onnxruntime-cpu-fp32") == [project]
+
+
+@pytest.fixture
+def kfr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A project folder on sys.path whose ``kfr_*`` modules are dropped from sys.modules afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # a __pycache__ as most users have one
+    yield tmp_path
+    for name in [m for m in sys.modules if m.startswith("kfr_")]:
+        sys.modules.pop(name)
+
+
+def _resolve(ref: str):
+    from kiln.models.registry import resolve_callable
+
+    return resolve_callable(ref, {}, "model")
+
+
+def test_a_module_edited_after_kiln_loaded_it_is_reloaded_with_what_it_imports(kfr: Path) -> None:
+    """A notebook runs the pipeline, edits the model's file (or a helper it imports), runs again: the second run
+    must run the code its cache key hashes, not the module Python keeps in sys.modules."""
+    (kfr / "kfr_layers.py").write_text("SHIFT = 0.0\n")
+    model = kfr / "kfr_model.py"
+    model.write_text("from kfr_layers import SHIFT\n\nSCALE = 1.0\n\n\ndef build():\n    return SCALE + SHIFT\n")
+    assert _resolve("kfr_model:build")() == 1.0
+    stat = model.stat()
+    model.write_text(model.read_text().replace("SCALE = 1.0", "SCALE = 3.0"))
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size and mtime: the old .pyc looks current
+    assert _resolve("kfr_model:build")() == 3.0
+    (kfr / "kfr_layers.py").write_text("SHIFT = 0.5\n")
+    assert _resolve("kfr_model:build")() == 3.5
+
+
+def test_a_module_the_user_imported_before_editing_it_is_reloaded(kfr: Path) -> None:
+    model = kfr / "kfr_user.py"
+    model.write_text("SCALE = 1.0\n\n\ndef build():\n    return SCALE\n")
+    importlib.invalidate_caches()
+    mine = importlib.import_module("kfr_user")  # `import kfr_user` in a notebook cell
+    model.write_text("SCALE = 3.0\n\n\ndef build():\n    return SCALE\n")
+    assert _resolve("kfr_user:build")() == 3.0 and mine.SCALE == 3.0
+
+
+def test_an_unchanged_module_is_not_reloaded(kfr: Path) -> None:
+    """Stages resolve the same function several times a run: the module stays the one loaded."""
+    (kfr / "kfr_same.py").write_text("LOADS = []\nLOADS.append(1)\n\n\ndef build():\n    return len(LOADS)\n")
+    first = _resolve("kfr_same:build")
+    module = sys.modules["kfr_same"]
+    assert _resolve("kfr_same:build") is first and sys.modules["kfr_same"] is module and first() == 1
+
+
+def test_installed_and_kiln_modules_are_imported_as_they_are() -> None:
+    from kiln.pipeline.user_code import _reloadable
+
+    assert _reloadable("kiln.models.cnn") is None and _reloadable("pytest") is None
+    assert _reloadable("__main__") is None and _reloadable("json") is None
