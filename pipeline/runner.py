@@ -81,6 +81,11 @@ class RunResult:
     def ok(self) -> bool:
         return self.error is None
 
+    @property
+    def report_path(self) -> Path:
+        """The run's ``report.json`` (``report.md`` beside it; the packaged engines under ``package/engines``)."""
+        return self.workdir / "report.json"
+
 
 def gate_hint(failures: list[str], status: str, backends: Collection[str] = (), skipped: Sequence[str] = ()) -> str:
     """The fix line for failed validation gates: relaxing a gate helps only where a number missed it; engines

@@ -79,3 +79,10 @@ def test_a_stages_repeated_warning_reaches_a_handler_once_per_run(tmp_path: Path
         assert heard == [WARNING, WARNING] and logger.filters == before  # the filter goes with the run
     finally:
         logger.removeHandler(handler)
+
+
+def test_the_result_names_the_report_the_run_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``result.report_path`` is where the report is written (the real writer, a stand-in runner)."""
+    monkeypatch.setattr(api, "Runner", _Runner)
+    result, report = api.run_pipeline(config_from_dict(tiny_config_dict()), tmp_path / "w")
+    assert result.report_path.is_file() and yaml.safe_load(result.report_path.read_text())["ok"] == report["ok"]
