@@ -135,6 +135,8 @@ def compare_all(
     stats = relative_to_spread(stats, ref, got, spreads(ref, held) if spread is None else spread, logits)
     if decide:
         stats[logits] = replace(stats[logits], agreement="decision")
+    elif one:  # its value is the answer's probability: noted, so that rel_err_limits holds it
+        stats[logits] = KeptStats(**{**vars(stats[logits]), "decision_at": binary[logits]})
     elif not one and logits in stats and stats[logits].top1_agreement is not None:
         counted = labelled if labelled is not None else decided_positions(ref[logits])
         stats[logits] = with_class_agreement(stats[logits], ref[logits], got[logits], counted)
@@ -309,26 +311,33 @@ def relative_to_spread(
 
 
 @dataclass(frozen=True)
-class SpreadStats(OutputStats):
-    """An output's statistics with ``over_variation``: where its spread is :data:`SPREAD_FLOOR` (the output varies
-    between samples by less), its RMS error over how it does vary. Above 1 the engine's error is larger than
-    anything the output tells apart between samples, however small beside its level, and no message may call it
-    a small error to accept (:func:`_over_spread`)."""
+class KeptStats(OutputStats):
+    """An output's statistics with what the check notes of it beside them. ``over_variation``: where its spread is
+    :data:`SPREAD_FLOOR` (the output varies between samples by less), its RMS error over how it does vary. Above 1
+    the engine's error is larger than anything the output tells apart between samples, however small beside its
+    level, and no message may call it a small error to accept (:func:`_over_spread`). ``decision_at``: the class
+    logits are a binary classifier's one logit, deciding above this value (:func:`compare_all`); its value is the
+    probability the model answers, which :func:`rel_err_limits` holds as any other value."""
 
     over_variation: float | None = None
+    decision_at: float | None = None
 
     def as_dict(self) -> dict[str, float | None]:
-        """The statistics by name, ``over_variation`` only where measured (records of other outputs keep theirs)."""
+        """The statistics by name, each note only where set (records of other outputs keep theirs)."""
         stats = super().as_dict()
-        if stats["over_variation"] is None:
-            del stats["over_variation"]
+        for note in NOTES:
+            if stats[note] is None:
+                del stats[note]
         return stats
+
+
+NOTES = ("over_variation", "decision_at")  # the fields KeptStats adds to OutputStats
 
 
 def with_variation(
     stats: dict[str, OutputStats], ref: dict[str, np.ndarray], spread: dict[str, float]
 ) -> dict[str, OutputStats]:
-    """``stats`` with each output's :attr:`SpreadStats.over_variation` where its ``spread`` is the floor and the
+    """``stats`` with each output's :attr:`KeptStats.over_variation` where its ``spread`` is the floor and the
     reference (every held-out row) still varies between its samples: measured here, since the floor hides it."""
     out = dict(stats)
     for name, s in stats.items():
@@ -339,7 +348,7 @@ def with_variation(
             continue
         dev = _spread(r.astype(np.float64), set_aside(r, r), floor=0.0)
         if dev and dev < spread[name] and np.isfinite(s.rel_err):
-            out[name] = SpreadStats(**{**vars(s), "over_variation": s.rel_err * spread[name] / dev})
+            out[name] = KeptStats(**{**vars(s), "over_variation": s.rel_err * spread[name] / dev})
     return out
 
 
@@ -373,9 +382,9 @@ def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[st
                 *_worse_class(t, s),
                 "decision" if "decision" in (t.agreement, s.agreement) else "top1",
             )
-            variation = pick(getattr(t, "over_variation", None), getattr(b[name], "over_variation", None), False)
-            if variation is not None:
-                s = SpreadStats(**vars(s), over_variation=variation)
+            notes = {k: pick(getattr(t, k, None), getattr(b[name], k, None), k == "decision_at") for k in NOTES}
+            if any(v is not None for v in notes.values()):
+                s = KeptStats(**vars(s), **notes)
         out[name] = s
     return out
 
@@ -635,7 +644,8 @@ def gates_for(cfg: CheckConfig | GatesConfig, precision: str, no_class_logits: b
     """The gates an engine of ``precision`` is held to: the defaults with that precision's overrides merged in. A
     model with ``no_class_logits`` (a regression's values, whose task no top-1 agreement guards) gets a concrete
     ``max_rel_err`` where none is set (:func:`derived_rel_err`), held by every float output. With class logits it
-    stays as set: unset, :func:`rel_err_limits` holds every float output but the class logits to the derived one.
+    stays as set: unset, :func:`rel_err_limits` holds every float output but 8-bit softmax class logits to the
+    derived one.
     ``gated_outputs`` is in the gates only where set (:func:`accuracy_failures` reads it; absent: every output)."""
     config = cfg.gates if isinstance(cfg, CheckConfig) else cfg
     gates = config.model_dump(exclude=None if config.gated_outputs else {"gated_outputs"})  # None: every output
@@ -660,8 +670,10 @@ def rel_err_limits(
     regression does. The class logits' scale is their softmax's confidence, which an FP32 or FP16 engine keeps (a
     logit 1.5 times the reference's has a cosine of 1 and the same argmax); an INT8 or FP8 engine's calibrated
     ranges may move it as a whole, and there their top-1 agreement and the accuracy guard them. The class logits
-    are the float output with a top-1 agreement (:func:`compare_all` keeps it on them alone, a binary classifier's
-    one logit included), or the only float output (class logits with no top-1 to agree on: one value per row)."""
+    are the float output with a top-1 agreement (:func:`compare_all` keeps it on them alone), or the only float
+    output (class logits with no top-1 to agree on: one value per row). A binary classifier's one logit (noted
+    ``decision_at``: :class:`KeptStats`) is no softmax's: its value is the probability answered (a click rate),
+    which a scale or shift moves while its decision and any ranking keep, so it is held as the other outputs are."""
     floats = [n for n, s in per_output.items() if s.get("cosine") is not None]
     if gates.get("max_rel_err") is not None:
         return dict.fromkeys(floats, gates["max_rel_err"])
@@ -669,6 +681,7 @@ def rel_err_limits(
     exempt = set(logits) if logits else set(floats[:1]) if len(floats) == 1 else set()
     if precision not in LOWBIT:
         exempt = set()
+    exempt = {n for n in exempt if per_output[n].get("decision_at") is None}
     return {n: derived_rel_err(gates) for n in floats if n not in exempt}
 
 
@@ -979,21 +992,24 @@ class Reference:
         """Warn where a binary classifier's one logit decides alike at every row (every value on one side of the
         threshold ``at``): top-1 agreement then asks an engine only to keep the values on that side, which an engine
         answering a constant does, and accuracy is the share of the majority class; the model is untrained or
-        predicts the prior. A metric that ranks the rows, or scores the rarer class, reads the rest."""
+        predicts the prior. A metric that ranks the rows, or scores the rarer class, reads the rest: the one
+        ``validate.metric`` sets, where it is set, else one the warning suggests."""
         decisions = np.asarray(logits).reshape(-1) > at
         if decisions.size < MIN_ONE_CLASS or not (decisions == decisions[0]).all():
             return
         log.warning(
-            "the reference decides %s at all %d rows of output '%s' (every value %s %g): top-1 agreement only asks an "
-            "engine to keep them on that side, which an engine answering a constant does; check that the model is "
-            "trained, or gate by a metric that reads the rest: validate.metric as your own 'module:function' that "
-            "ranks the rows (a ROC AUC of the logit), or multilabel_f1 (the positive class's F1, with [N, 1] 0/1 "
-            "targets)",
+            "the reference decides %s at all %d rows of output '%s' (every value %s %g): decision agreement only asks "
+            "an engine to keep them on that side, which an engine answering a constant does; check that the model is "
+            "trained%s",
             "positive" if decisions[0] else "negative",
             decisions.size,
             self.logits,
             "above" if decisions[0] else "at or below",
             at,
+            f"; validate.metric ({self.metric.name}) is the gate that counts here, held by max_metric_drop"
+            if self.metric is not None
+            else ", or gate by a metric that reads the rest: validate.metric as your own 'module:function' that ranks "
+            "the rows (a ROC AUC of the logit), or multilabel_f1 (the positive class's F1, with [N, 1] 0/1 targets)",
         )
 
     def _say_padding_ties(self) -> None:
@@ -1647,17 +1663,24 @@ def top1_output(
     if output is not None and output.dtype.kind != "f":  # class ids (an argmax), flags: answers, not class scores
         log.info("output '%s' holds %s values: %s", logits, output.dtype, held_as(output))
         return None
+    one = binary_logit(output)  # one column: a binary classifier's one logit, or a value; no argmax either way
     log.log(
         logging.WARNING if loud else logging.INFO,
-        "output '%s' is not held to top-1 agreement or scored for accuracy: it is the class-logit output by default "
-        "only, and %s, so its argmax may be no class at all (an embedding's); compared by cosine (the whole "
-        "output's and the worst sample's), max abs error and relative error. If it holds class scores, %s holds "
-        "their argmax to top-1 agreement; an image or other values need no name",
+        "output '%s' is not held to %s or scored for accuracy: it is the class-logit output by default only, and "
+        "%s, so %s; compared by cosine (the whole output's and the worst sample's), max abs error and relative "
+        "error. If it holds %s, %s holds %s; %s need no name",
         logits,
+        "decision agreement" if one else "top-1 agreement",
         why,
-        "num_classes in the data"
+        "its one column may be no logit at all (a regression's value)"
+        if one
+        else "its argmax may be no class at all (an embedding's)",
+        "a binary classifier's one logit" if one else "class scores",
+        ("num_classes=2" if one else "num_classes") + " in the data"
         if data is not None and regression(data)
         else f"naming it (signature.logits_output={logits})",
+        "its decision (the logit above 0) to decision agreement" if one else "their argmax to top-1 agreement",
+        "a score or other values" if one else "an image or other values",
     )
     return None
 

@@ -349,15 +349,29 @@ class NoPrediction(ValueError):
     """No output is shaped like the targets: every built-in metric of predicted values fails alike."""
 
 
+class LabelsMisshaped(ValueError):
+    """The labels are not of the shape the metric reads: theirs to reshape, not the metric to change."""
+
+
+# detection_recall's labels, as its fix says them
+BOX_LABELS = (
+    "[N, M, 5] rows of (class, x1, y1, x2, y2) per sample, a negative class (-1) on padding rows where a sample has "
+    "fewer than M boxes"
+)
+
+
 def _misfit_hint(name: str, exc: Exception) -> str:
     """The fix for a built-in metric that does not fit the outputs: where no output is shaped like the targets
-    (several targets per sample, one per output), no built-in reads them; else another built-in may."""
+    (several targets per sample, one per output), no built-in reads them; where detection_recall's labels are
+    misshaped (:class:`LabelsMisshaped`), their shape; else another built-in may."""
     own = "your own metric as 'module:function' (outputs: dict of name -> array, labels: array) -> float"
     if isinstance(exc, NoPrediction):
         return (
             f"give {own}, reading each output against its own columns of the targets (targets[:, 0], "
             "targets[:, 1:]): no built-in splits them"
         )
+    if isinstance(exc, LabelsMisshaped) and name == "detection_recall":
+        return f"give the held-out labels as {BOX_LABELS}; {BOX_FORMAT}"
     return f"pick another built-in ({', '.join(b for b in BUILTINS if b != name)}), or give {own}"
 
 
@@ -440,7 +454,7 @@ def _detection_recall(
     apart by :func:`_detection_outputs`; ``labels``: ``[N, M, 5]`` rows of (class, x1, y1, x2, y2), a negative
     class marking padding; ``num_classes``: the data's (0: not declared)."""
     if labels.ndim != 3 or labels.shape[-1] != 5:
-        raise ValueError("detection_recall needs boxes [N, K, 4], class scores [N, K, C] and labels [N, M, 5]")
+        raise LabelsMisshaped(f"detection_recall needs labels {BOX_LABELS}")
     box_name, score_name = _detection_outputs(outputs, logits)
     boxes = outputs[box_name]
     predicted, confident = _class_decisions(outputs[score_name], num_classes)
@@ -493,7 +507,7 @@ def _detection_outputs(outputs: dict[str, np.ndarray], logits: str | None) -> tu
     if boxes is None and len(fits) > 1:
         raise _ambiguous(fits, "boxes", outputs)
     if boxes is None:
-        raise ValueError("detection_recall needs boxes [N, K, 4], class scores [N, K, C] and labels [N, M, 5]")
+        raise LabelsMisshaped(f"detection_recall needs labels {BOX_LABELS}")
     if named is not None:
         return boxes, named
     rest = [k for k, v in dense.items() if k != boxes and v.shape[:2] == dense[boxes].shape[:2]]
@@ -501,7 +515,7 @@ def _detection_outputs(outputs: dict[str, np.ndarray], logits: str | None) -> tu
     if scores is None and len(rest) > 1:
         raise _ambiguous(rest, "class scores", outputs)
     if scores is None:
-        raise ValueError("detection_recall needs boxes [N, K, 4], class scores [N, K, C] and labels [N, M, 5]")
+        raise LabelsMisshaped(f"detection_recall needs labels {BOX_LABELS}")
     return boxes, scores
 
 
