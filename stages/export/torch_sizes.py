@@ -325,6 +325,9 @@ def _fails_at(
     blamed = "" if fixed else _listed_at_fault(model, inputs, point, feeds[0], axes, listed)
     if blamed:
         return ModelError(message, hint=tie + blamed)
+    smallest = "" if tie or fixed else _smallest_hint(model, inputs, point, feeds[0], axes, listed)
+    if smallest:
+        return ModelError(message, hint=smallest)
     sizes = _sizes_hint(
         point, own, listed, direct, *_uncut_if_cut(model, inputs, point, feeds, axes, direct), fixed=bool(fixed)
     )
@@ -362,6 +365,44 @@ def _listed_at_fault(
         "sizes: list there only sizes the model takes, or remove that axis from signature.dynamic_axes if it takes "
         "one size"
     )
+
+
+def _smallest_hint(
+    model: nn.Module, like: Inputs, point: Mapping[str, int], feed: Feed, axes: Axes, listed: Mapping[str, list[int]]
+) -> str:
+    """The fix where each size of ``point`` below the rows' own (those of ``feed``) is one ``signature.shapes``
+    lists (``listed``), and the model, the other axes at the rows' own sizes, fails there but takes every size from
+    a smallest up to the rows' own (a convolution stack wider than a short input): the listed range starts at that
+    smallest, its maximum kept, so lengths between it and the rows' own stay served. Empty where no such smallest
+    lies below the rows' own (cutting the rows drops what a row needs) or the model fails at a size probed above it
+    (steps, not a minimum), which the other hints speak of."""
+    own = own_sizes(feed, axes)
+    low = {k: v for k, v in point.items() if k in own and v < own[k]}
+    if not low or any(v not in listed.get(k, ()) for k, v in low.items()):
+        return ""
+    why = _why_not_at(model, {k: v[:1] for k, v in feed.items()}, like, axes)
+    said, shapes = [], {k: sorted(v) for k, v in listed.items()}
+    for label, size in low.items():
+        reason = why({**own, label: size})
+        smallest = _smallest_running(lambda s, lbl=label: not why({**own, lbl: s}), size, own[label], listed[label])
+        if not reason or smallest is None:
+            return ""
+        said.append(f"the model takes {label} from {smallest} up (at {size}: {reason})")
+        shapes[label] = sorted({max(s, smallest) for s in listed[label]})
+    shown = "{" + ", ".join(f"{k}: {v}" for k, v in shapes.items()) + "}"
+    return f"{'; '.join(said)}: signature.shapes: {shown}"
+
+
+def _smallest_running(runs: Callable[[int], bool], size: int, own: int, listed: list[int]) -> int | None:
+    """The smallest size from ``size`` (where the model fails) up to ``own`` (where it runs) that ``runs``, found by
+    bisection (about log2 of the gap runs), where the model also runs at the two sizes after it and at each of
+    ``listed`` between it and ``own``, as a model with a smallest size does; None where it fails at one of those
+    (its sizes go in steps, not from a smallest up) or runs at no size below ``own``."""
+    found = _nearest_running(runs, own, size)
+    if found is None or found >= own:
+        return None
+    above = {s for s in (found + 1, found + 2, *listed) if found < s <= own}
+    return found if all(runs(s) for s in sorted(above)) else None
 
 
 def _nearest_running(runs: Callable[[int], bool], own: int, size: int) -> int | None:
