@@ -186,10 +186,11 @@ def _entry(found: Comparison, precision: str, logits: str | None, gates: dict[st
     """``found`` as validation's entry for an engine of ``precision`` held to ``gates``, which the gates read: its
     headline values over the outputs the gates hold (``validate.gates.gated_outputs``), as validation's are, so the
     fallback's own targets and its ranking of rounds read the figures validation judges, not an output it leaves
-    ungated (a seq2seq model's encoder state)."""
+    ungated (a seq2seq model's encoder state). Without :func:`summarize`'s warnings: the entry is a round's graph,
+    no engine; validation says them of each engine built from the variant, by its name."""
     entry = EngineValidation(name="", backend="onnxruntime", precision=precision, device="cpu", status="validated")
     entry.gates = gates
-    summarize(entry, found.stats, logits, gated_list(gates))
+    summarize(entry, found.stats, logits, gated_list(gates), warn=False)  # said by validation, per engine
     entry.accuracy, entry.metric = found.accuracy, found.metric
     return entry
 

@@ -295,7 +295,7 @@ def _missed_by_shape(
             if size == point:
                 stats = merge_worst(stats, s) if stats else s
         there = EngineValidation.of(meta, "validated")
-        summarize(there, stats, logits, gated_list(gates))
+        summarize(there, stats, logits, gated_list(gates), warn=False)  # per shape: the headline warned already
         missed.append((point, accuracy_failures(there, gates, None)))
     return missed
 
