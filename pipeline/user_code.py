@@ -137,13 +137,31 @@ def import_fresh(name: str) -> ModuleType:
     stale = False
     for path in files:  # each after what it imports: a reloaded dependent picks up its dependencies' new names
         module = loaded.get(path)
-        stale = stale or (module is not None and _RAN.get(path) != hashes[path])
+        stale = stale or (module is not None and _changed_since_loaded(path, hashes[path]))
         if module is not None and stale:
             with _no_bytecode():
                 importlib.reload(module)
     module = importlib.import_module(name)
     _RAN.update({path: hashes[path] for path in _loaded(files)})  # those it loaded for the first time included
     return module
+
+
+def _changed_since_loaded(path: str, digest: str) -> bool:
+    """Whether a loaded module's file may differ from the code loaded from it: against Kiln's record of the file
+    where Kiln loaded or checked it before, else whether it was written after this process started (a module the
+    user imported before editing it; one whose file is older than the process holds the code on disk, and is kept,
+    so the classes the user imported from it stay the ones Kiln's model is made of)."""
+    if path in _RAN:
+        return _RAN[path] != digest
+    return os.stat(path).st_mtime >= _process_start()
+
+
+@functools.cache
+def _process_start() -> float:
+    """When this process started (seconds since the epoch)."""
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def _loaded(files: list[str]) -> dict[str, ModuleType]:
