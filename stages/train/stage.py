@@ -526,10 +526,7 @@ def _data_fix(model: nn.Module, x: Any, names: list[str], data_ref: str) -> str 
         return _integer_fix([names[i] for i in wrong], [parts[i] for i in wrong], dtype, data_ref)
     last = _channels_last(model, x)
     if last is not None:
-        shape = tuple(parts[last].shape)
-        want = [None, shape[3], shape[1], shape[2]]
-        layout = shape_fix(shape, want, "the model", False)
-        return f"give input '{names[last]}' in the layout the model takes{layout} in the data function '{data_ref}'"
+        return _layout_fix(model, parts[last], names[last], data_ref)
     return None
 
 
@@ -578,15 +575,29 @@ def _integer_fix(names: list[str], given: list[torch.Tensor], dtype: torch.dtype
 
 
 def _channels_last(model: nn.Module, x: Any) -> int | None:
-    """The position of the 4-D float input of ``x`` whose last axis (1 or 3 sizes: gray or RGB) and not its second
-    looks like an image's channels (NHWC), where the forward runs once it is permuted to NCHW; None otherwise."""
-    parts = tensors(x)
+    """The position of the 4-D input of ``x`` (float, or uint8 pixels) whose last axis (1 or 3 sizes: gray or RGB)
+    and not its second looks like an image's channels (NHWC), where the forward runs once it is permuted to NCHW
+    (and uint8 pixels are converted to the weights' dtype, which :func:`_integer_fix` says); None otherwise."""
+    parts, dtype = tensors(x), _weights_dtype(model)
     for i, t in enumerate(parts):
-        if t.is_floating_point() and t.ndim == 4 and t.shape[3] in (1, 3) and t.shape[1] not in (1, 3):
-            nchw = rebuild(x, [p.permute(0, 3, 1, 2) if j == i else p for j, p in enumerate(parts)])
-            if _runs(model, nchw):
+        pixels = t.dtype == torch.uint8 and dtype is not None
+        if (t.is_floating_point() or pixels) and t.ndim == 4 and t.shape[3] in (1, 3) and t.shape[1] not in (1, 3):
+            nchw = t.permute(0, 3, 1, 2).to(dtype) if pixels else t.permute(0, 3, 1, 2)
+            if _runs(model, rebuild(x, [nchw if j == i else p for j, p in enumerate(parts)])):
                 return i
     return None
+
+
+def _layout_fix(model: nn.Module, part: torch.Tensor, name: str, data_ref: str) -> str:
+    """The fix for an NHWC image input ``part`` given to a model that takes NCHW (:func:`_channels_last`): the
+    permute that reorders it (:func:`~kiln.core.feeds.shape_fix`), and for uint8 pixels the conversion too."""
+    shape = tuple(part.shape)
+    layout = shape_fix(shape, [None, shape[3], shape[1], shape[2]], "the model", False)
+    fix = f"give input '{name}' in the layout the model takes{layout}"
+    dtype = _weights_dtype(model)
+    if part.dtype != torch.uint8 or dtype is None:
+        return f"{fix} in the data function '{data_ref}'"
+    return f"{fix}; and {_integer_fix([name], [part], dtype, data_ref)}"
 
 
 # Libraries' errors of a model built without a setting it needs, and the setting: no change of data helps
@@ -798,15 +809,19 @@ def _lacks_decoder_inputs(model: nn.Module, x: Any) -> bool:
 
 def _task_that_fits(ctx: StageContext[TrainSettings], model: nn.Module, data: DatasetSplits, task: Task) -> Task | None:
     """``task`` where the labels fit the model's outputs. With training skipped the val accuracy is information,
-    and float labels that only a metric reads (a detector's boxes for ``validate.metric``) fit no default loss
-    without being wrong: then None, said as a warning. Class labels that do not fit the logits stay the error
-    training gives (a head of the wrong width)."""
+    and float labels that only a metric reads (a detector's boxes for ``validate.metric``, which this stage does not
+    see) fit no default loss without being wrong: then None, said as information that claims no metric is missing.
+    Class labels that do not fit the logits stay the error training gives (a head of the wrong width)."""
     try:
         check_model_fits_data(model, data, ctx.config.model.name, task, probe_rows=min(2, ctx.config.train.batch_size))
-    except ModelError as exc:
+    except ModelError:
         if data.val_y is None or not data.val_y.is_floating_point():
             raise
-        ctx.log.warning("val accuracy not measured (training is skipped, no loss reads the labels): %s", exc.message)
+        ctx.log.info(
+            "the train stage measures no val accuracy of the untrained model: training is skipped, and the float "
+            "labels %s are not class ids of its output",
+            list(data.val_y.shape),
+        )
         return None
     return task
 

@@ -2,7 +2,9 @@
 
 Integer labels: cross-entropy on the class-logit output (``signature.logits_output``), and accuracy; with a label
 per position (token tagging ``[N, S]``, segmentation ``[N, H, W]``: :mod:`kiln.core.labels`) both average over the
-labelled positions. Float targets: mean squared error on the single (or named) output, no accuracy.
+labelled positions. Float 0/1 labels, one per row, of a dataset of ``num_classes=2`` beside one output column: a
+binary classifier's logit, trained with binary cross-entropy on it and scored by its decision (logit above 0). Other
+float targets: mean squared error on the single (or named) output, no accuracy.
 ``train.loss``: the user's ``(outputs, targets) -> scalar`` on the model's raw outputs; a loss taken from torch
 itself (``torch.nn.functional:binary_cross_entropy_with_logits``) reads one tensor, so it is given the output the
 built-in loss would read (:meth:`Task.target`). The loss is computed in FP32 on FP32 outputs.
@@ -42,7 +44,7 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class Task:
-    kind: str  # "classification" | "regression" | "custom"
+    kind: str  # "classification" | "binary" (one logit per row, float 0/1 labels) | "regression" | "custom"
     logits_output: str | int | None = None
     user_loss: LossFn | None = None
     trains: bool = True  # False: it scores a model not trained here (scoring_task), which no loss optimizes
@@ -74,6 +76,8 @@ class Task:
             if not self.trains and not labels.are_indices(target, y):  # several targets per sample: no loss reads
                 return no_loss(out, y)
             return labels.dense_cross_entropy(target.float(), y)
+        if self.kind == "binary":
+            return binary_loss(target, y)
         return nn.functional.mse_loss(target.float(), y.float())
 
     def loss_input(self, out: Any) -> Any:
@@ -113,7 +117,11 @@ class Task:
     def correct(self, out: Any, y: torch.Tensor) -> tuple[float, float] | None:
         """Correctly classified rows or labelled positions, and how many were scored: accuracy's numerator and
         denominator (None: no classes to count). The count is its own, not :meth:`units`: a user loss averages
-        over rows, but accuracy over labels per position counts positions."""
+        over rows, but accuracy over labels per position counts positions. A binary classifier's row is correct
+        where its logit's decision (above 0) is its 0/1 label."""
+        if self.kind == "binary" and self.user_loss is None:
+            logit = self.target(out).reshape(len(y)).float()
+            return float(((logit > 0) == (y.reshape(len(y)) > 0.5)).sum().item()), float(len(y))
         if y.is_floating_point() or not self.labels:
             return None
         try:
@@ -237,11 +245,30 @@ def _wrapper(fn: LossFn, read: str) -> str:
     return f"def loss(outputs, targets): return {getattr(fn, '__name__', 'fn')}({read}, targets)"
 
 
+def binary_loss(logit: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of a binary classifier's one logit per row (``[N]`` or ``[N, 1]``) against its 0/1 labels
+    (the same rows, either shape). A sigmoid's output is refused: the loss applies the sigmoid itself, and would
+    train on values squeezed into [0.5, 0.73]."""
+    if squashed_by(logit) == "sigmoid":
+        raise ConfigError(
+            "float 0/1 labels with num_classes=2 train the model's one output column as a logit (binary "
+            "cross-entropy with logits), but it is a sigmoid's output (values in [0, 1])",
+            hint="return the logit (no final sigmoid), or set train.loss: torch.nn.functional:binary_cross_entropy "
+            "for probabilities",
+        )
+    rows_of = len(y)
+    return nn.functional.binary_cross_entropy_with_logits(logit.float().reshape(rows_of), y.float().reshape(rows_of))
+
+
 def task_for(data: DatasetSplits, loss: str | None, logits_output: str | int | None) -> Task:
+    """The task training optimizes: cross-entropy on integer labels, binary cross-entropy on float 0/1 labels of a
+    two-class dataset (:func:`binary_task`), mean squared error on other float targets, or ``train.loss``."""
     kind = "classification" if data.classification else "regression"
     warn_label_inputs(data)
     if loss is None:
         warn_one_hot(data)
+        if binary_task(data):
+            return Task("binary", logits_output)
         warn_binary(data)
         return Task(kind, logits_output)
     fn = resolve_callable(loss, {}, "train.loss")
@@ -359,6 +386,30 @@ def _binary_labels(y: torch.Tensor | None) -> bool:
     return bool(((y == 0) | (y == 1)).all())
 
 
+def _trained_labels(data: DatasetSplits) -> tuple[str, torch.Tensor | None]:
+    """The split whose labels decide the task (train's, else val's) and those labels."""
+    split = "train" if data.train_y is not None else "val"
+    return split, getattr(data, f"{split}_y")
+
+
+def binary_task(data: DatasetSplits) -> bool:
+    """Whether the labels are a binary classifier's: float 0/1, one per row, of a dataset of ``num_classes=2``. Said
+    (once) as the loss it trains with, which ``train.loss`` overrides (a regression's mean squared error). The
+    model's output must then be one column (:func:`check_task`): validation scores that logit's decision."""
+    split, y = _trained_labels(data)
+    if data.num_classes != 2 or not _binary_labels(y):
+        return False
+    assert y is not None
+    log.info(
+        "%s_y is float %s of 0/1 labels with num_classes=2: the model's one output column trains as a binary "
+        "classifier's logit with binary cross-entropy (binary_cross_entropy_with_logits; no final sigmoid), and "
+        "accuracy scores its decision (logit > 0); set train.loss to train with another loss",
+        split,
+        list(y.shape),
+    )
+    return True
+
+
 def warn_binary(data: DatasetSplits) -> None:
     """Say (once, where the task is decided) that float 0/1 labels, one per row, train as regression targets: mean
     squared error on the single output, where a one-logit binary classifier wants a binary cross-entropy on its
@@ -368,7 +419,8 @@ def warn_binary(data: DatasetSplits) -> None:
     if not _binary_labels(y):
         return
     shaped = " shaped like the logit (y.view(-1, 1) for an [N, 1] output)" if y.ndim == 1 else ""
-    classes = "" if data.num_classes == 2 else ", num_classes=2 in DatasetSplits (validation then holds its decision)"
+    # with num_classes=2 already the labels train a binary classifier (binary_task), not regression
+    classes = ", num_classes=2 in DatasetSplits (validation then holds its decision)"
     log.warning(
         "%s_y is float %s of 0/1 labels, one per row: float targets train with mean squared error on the model's "
         "output, with no accuracy; for a binary classifier (one logit per row) give labels%s, train.loss: "
@@ -891,7 +943,9 @@ def check_task(
         return
     target = task.target(out)
     check_rows(target, len(y), task.trains)
-    if task.kind == "classification" and labels.follows_positions(y, target, flatten_outputs(out).values(), sizes):
+    if task.kind == "binary":
+        _check_one_logit(target, y, model_ref)
+    elif task.kind == "classification" and labels.follows_positions(y, target, flatten_outputs(out).values(), sizes):
         if not task.trains and not lacks_decoder and _unscored(target, y):
             _say_unscored_untrained(target, y, _logits_output(task, out))
             return
@@ -918,6 +972,19 @@ def check_task(
             if classes
             else "make the targets match the output, name the output in signature.logits_output, or set train.loss",
         )
+
+
+def _check_one_logit(target: torch.Tensor, y: torch.Tensor, model_ref: str) -> None:
+    """A binary classifier's output is one logit per row (``[N]`` or ``[N, 1]``), which its float 0/1 labels train
+    with binary cross-entropy; a head of two or more columns takes class indices (cross-entropy) instead."""
+    if target.ndim in (1, 2) and target.numel() == len(y):
+        return
+    raise ModelError(
+        f"model '{model_ref}' gives {tuple(target.shape)} for float 0/1 labels of shape {tuple(y.shape)} with "
+        "num_classes=2: a binary classifier's binary cross-entropy reads one logit per row ([N, 1] or [N])",
+        hint="for a head of two class logits give class indices (y.long().view(-1)): cross-entropy; or return one "
+        "logit per row, or set train.loss",
+    )
 
 
 def check_trainable(model: nn.Module) -> None:

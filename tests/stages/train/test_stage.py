@@ -1,0 +1,83 @@
+"""The train stage's messages about the data: labels left to validation with training off, NHWC uint8 images."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.core.data import DatasetSplits
+from kiln.core.errors import ModelError
+from kiln.pipeline.config import config_from_dict
+from kiln.pipeline.runner import Runner
+from kiln.pipeline.stage_list import STAGES
+from kiln.stages.train.stage import check_model_fits_data
+from tests.conftest import tiny_config_dict
+
+
+class BoxHead(nn.Module):
+    """A detector's head: 10 queries of 5 classes + no-object and their boxes, a dict of two outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(12, 10 * 10)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        z = self.proj(x.flatten(1)).view(-1, 10, 10)
+        return {"logits": z[..., :6], "pred_boxes": z[..., 6:].sigmoid()}
+
+
+def box_data() -> DatasetSplits:
+    """Images [N, 3, 2, 2] with one box label each, (class, x1, y1, x2, y2): what detection_recall reads."""
+    g = torch.Generator().manual_seed(0)
+    x, boxes = torch.randn(16, 3, 2, 2, generator=g), torch.rand(16, 1, 5, generator=g)
+    return DatasetSplits(x[:8], boxes[:8], x[8:], boxes[8:], 5)
+
+
+def test_box_labels_with_training_off_are_no_warning_of_a_missing_metric(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It warned "val accuracy not measured ... mean squared error needs the same shape" of labels that only
+    validate.metric (which the train stage does not see) reads."""
+    over = {"train.enabled": False, "model.name": f"{__name__}:BoxHead", "model.params": {}}
+    over["data.name"] = f"{__name__}:box_data"
+    monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
+    caplog.set_level(logging.INFO, logger="kiln")
+    result = Runner(config_from_dict(tiny_config_dict(**over)), tmp_path / "wd", STAGES).run(stop="train")
+    assert result.ok, result.error
+    assert result.records[0].summary.val_accuracy is None
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in warned if "accuracy" in m or "mean squared error" in m], warned
+    told = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "val accuracy" in r.getMessage()]
+    assert any("float labels [8, 1, 5] are not class ids" in m and "not measured" not in m for m in told), told
+
+
+class Conv(nn.Module):
+    """A classifier of RGB images given as NCHW, whose forward checks the channels first (as Hugging Face's do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        if pixel_values.shape[1] != 3:
+            raise ValueError("Make sure that the channel dimension of the pixel values match the configuration.")
+        return self.net(pixel_values)
+
+
+def test_nhwc_uint8_images_are_said_to_be_permuted_and_converted() -> None:
+    """uint8 NHWC images got only the model's own error and the generic fix: the layout check read floats alone."""
+    pixels = torch.randint(0, 256, (4, 8, 8, 3), dtype=torch.uint8)
+    y = torch.arange(4) % 2
+    data = DatasetSplits({"pixel_values": pixels}, y, {"pixel_values": pixels}, y, num_classes=2, name="imgs:load")
+    with pytest.raises(ModelError) as e:
+        check_model_fits_data(Conv(), data, "conv:build")
+    assert e.value.hint.startswith(
+        "give input 'pixel_values' in the layout the model takes (it looks like NHWC, and the model takes NCHW: "
+        "x.transpose(0, 3, 1, 2); a torch tensor: x.permute(0, 3, 1, 2)); and give input 'pixel_values' (uint8) as "
+        "float32"
+    ), e.value.hint
+    assert "pixel_values.float() / 255 in the data function 'imgs:load'" in e.value.hint

@@ -1,0 +1,81 @@
+"""Float 0/1 labels, one per row, of a two-class dataset train a one-logit head with binary cross-entropy."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.core.data import DatasetSplits
+from kiln.core.errors import ConfigError, ModelError
+from kiln.stages.train.config import TrainConfig
+from kiln.stages.train.loop import train
+from kiln.stages.train.task import Task, check_task, task_for
+
+
+def _clicks(num_classes: int, shape: str = "[N, 1]", size: int = 128) -> DatasetSplits:
+    """Separable 0/1 click labels (float) of the sign of the first feature."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(size, 3, generator=g)
+    y = (x[:, 0] > 0).float()
+    y = y[:, None] if shape == "[N, 1]" else y
+    half = size // 2
+    return DatasetSplits(x[:half], y[:half], x[half:], y[half:], num_classes=num_classes)
+
+
+@pytest.mark.parametrize("shape", ["[N, 1]", "[N]"])
+def test_zero_one_float_labels_of_two_classes_train_with_binary_cross_entropy(
+    shape: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They trained with mean squared error while validation read the output as a logit (decision above 0)."""
+    monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
+    caplog.set_level(logging.INFO, logger="kiln.train")
+    data = _clicks(2, shape)
+    task = task_for(data, None, None)
+    assert task.kind == "binary" and task.user_loss is None
+    said = [r for r in caplog.records if r.name == "kiln.train" and "0/1 labels" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
+    assert "binary cross-entropy" in said[0].getMessage() and "train.loss" in said[0].getMessage()
+    logit = torch.tensor([[2.0], [-1.0], [0.5], [-3.0]])
+    y = data.train_y[:4]
+    expected = nn.functional.binary_cross_entropy_with_logits(logit.view(-1), y.view(-1))
+    assert torch.allclose(task.loss(logit, y), expected)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    check_task(task, model(data.train_x[:2]), y[:2], 2, "m")
+    config = TrainConfig(epochs=3, batch_size=16, device="cpu", plot=False, lr=0.1)
+    result = train(model, data, config, task=task)
+    assert result.history[-1].val_accuracy is not None and result.history[-1].val_accuracy > 0.8
+
+
+@pytest.mark.parametrize("num_classes", [0, 3])
+def test_zero_one_float_labels_without_two_classes_stay_regression_targets(num_classes: int) -> None:
+    task = task_for(_clicks(num_classes), None, None)
+    assert task.kind == "regression"
+    assert torch.equal(task.loss(torch.ones(2, 1), torch.zeros(2, 1)), torch.tensor(1.0))
+
+
+def test_float_targets_that_are_not_zero_one_stay_regression_targets() -> None:
+    data = _clicks(2)
+    data = DatasetSplits(data.train_x, data.train_y * 0.5, data.val_x, data.val_y * 0.5, num_classes=2)
+    assert task_for(data, None, None).kind == "regression"
+
+
+def test_train_loss_overrides_binary_cross_entropy() -> None:
+    task = task_for(_clicks(2), "torch.nn.functional:mse_loss", None)
+    assert task.kind == "regression" and task.user_loss is nn.functional.mse_loss
+
+
+def test_a_two_column_head_beside_binary_labels_is_told_to_take_class_indices() -> None:
+    with pytest.raises(ModelError, match="one logit per row") as err:
+        check_task(Task("binary"), torch.zeros(2, 2), torch.tensor([[0.0], [1.0]]), 2, "m")
+    assert "y.long().view(-1)" in err.value.hint
+
+
+def test_a_sigmoid_output_is_refused_by_binary_cross_entropy_with_logits() -> None:
+    probabilities = torch.sigmoid(torch.zeros(2, 1, requires_grad=True))
+    with pytest.raises(ConfigError, match="sigmoid's output") as err:
+        Task("binary").loss(probabilities, torch.tensor([[0.0], [1.0]]))
+    assert "binary_cross_entropy" in err.value.hint
