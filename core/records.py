@@ -205,8 +205,8 @@ class EngineMetadata(Record):
     # the batch sizes validation compared the engine with the reference at (the package stage records them):
     # servers take batches up to the largest; empty: not recorded (an engine not validated), no limit but its own
     validated_batch_sizes: list[int] = Field(default_factory=list)
-    # the class-logit output the run named (signature.logits_output), held to top-1 agreement when the engine is
-    # validated again on its own (`kiln validate ENGINE`); None: not named (the default choice applies)
+    # the class-logit output the run held to top-1 agreement (named in signature.logits_output, or Kiln's choice),
+    # held to it again when the engine is validated on its own (`kiln validate ENGINE`); None: none was
     logits_output: str | None = None
     # what the run's agreement on those logits counted (EngineValidation.agreement): "decision" for a multi-label
     # head, each (sample, label) pair's decision, which `kiln validate ENGINE` then counts too

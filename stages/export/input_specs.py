@@ -55,11 +55,34 @@ def direct_example(cfg: ExportSettings, model: nn.Module, specs: list[TensorSpec
         reason = first_line(exc)
         given = [s.name for s in specs or []]
         fix = specs and (
-            _names_fix(model, given) or _float_dtype_fix(model, specs, example) or _ids_fix(model, specs, example)
+            _nhwc_fix(model, specs)
+            or _names_fix(model, given)
+            or _float_dtype_fix(model, specs, example)
+            or _ids_fix(model, specs, example)
         )
         hint = fix or input_shape_hint(model, random=bool(specs), given=given)
         raise ConfigError(f"model '{cfg.model.name}' rejects {what}: {reason}", hint=hint) from None
     return example
+
+
+def _nhwc_fix(model: nn.Module, specs: list[TensorSpec]) -> str | None:
+    """The fix where an image ``--input-shape`` is given channels last (``64,64,3``) to a model whose first
+    ``Conv2d`` takes that many channels on axis 1 (PyTorch's NCHW): the same sizes, channels first. None where no
+    input looks so."""
+    conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    if conv is None:
+        return None
+    for spec in specs:
+        dims = spec.shape[1:]
+        if len(dims) == 3 and dims[2] in (1, 3) and dims[2] == conv.in_channels and dims[0] != dims[2]:
+            name = "" if spec.name == SINGLE_INPUT else f"{spec.name}="
+            nchw = f"{dims[2]},{dims[0]},{dims[1]}"
+            return (
+                f"the shape {','.join(map(str, dims))} looks NHWC (channels last), and the model's first Conv2d "
+                f"takes {conv.in_channels} channels on axis 1; give it as {nchw}: --input-shape {name}{nchw}"
+                f"{'' if spec.dtype == 'float32' else ':' + spec.dtype}"
+            )
+    return None
 
 
 def _float_dtype_fix(model: nn.Module, specs: list[TensorSpec], example: Inputs) -> str | None:
@@ -183,20 +206,49 @@ SHAPE_EXAMPLE = "DIMS one sample's shape without the batch axis, e.g. image=3,22
 
 
 def _suggested(model: nn.Module, given: list[str]) -> list[str]:
-    """The inputs to give ``--input-shape`` for: those ``given`` (an unnamed one: the forward's first) and the
-    forward's required parameters (no default) they lack, not its optional ones, which are alternatives
-    (``inputs_embeds`` for ``input_ids``) or extras it works without; with none given, the required ones, or every
-    parameter where all have defaults (a ``transformers`` model's). Never labels (``labels``, ``targets``:
-    training's ``y``, refused among the inputs)."""
+    """The inputs to give ``--input-shape`` for: those ``given`` (an unnamed one: the forward's first) that may be
+    tensors (:func:`_not_a_tensor`: a rejected ``use_cache`` is not suggested again) and the forward's required
+    parameters (no default) they lack, not its optional ones, which are alternatives (``inputs_embeds`` for
+    ``input_ids``) or extras it works without. With none given: the required ones; else, where all have defaults, a
+    ``transformers`` model's main input (``main_input_name``, with ``attention_mask`` where the forward takes one),
+    or every parameter that may be a tensor. Never labels (``labels``, ``targets``: training's ``y``, refused among
+    the inputs)."""
     params = _forward_params(model) or []
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     named = [p for p in params if p.kind in kinds and not is_label_name(p.name)]
     required = [p.name for p in named if p.default is inspect.Parameter.empty]
+    tensors = [p.name for p in named if not _not_a_tensor(p)]
     if given == [SINGLE_INPUT] and SINGLE_INPUT not in (p.name for p in named):  # an unnamed shape: the first one
-        given = (required or [p.name for p in named])[:1] or given
+        given = (required or tensors or [p.name for p in named])[:1] or given
     if given:
-        return given + [n for n in required if n not in given]
-    return required or [p.name for p in named] or ["NAME"]
+        kept = [n for n in given if n not in {p.name for p in named if _not_a_tensor(p)}]
+        return kept + [n for n in required if n not in kept] or ["NAME"]
+    return required or _main_inputs(model, tensors) or tensors or ["NAME"]
+
+
+# Parameters of a forward that are no input tensor: switches (use_cache, output_attentions), a cache from an earlier
+# step, and alternatives to the ids (inputs_embeds)
+_NOT_INPUTS = re.compile(
+    r"use_cache|return_dict|output_\w+|logits_to_keep|num_logits_to_keep|\w*cache\w*|"
+    r"past_key_values|\w*_embeds"
+)
+
+
+def _not_a_tensor(param: inspect.Parameter) -> bool:
+    """Whether a forward's parameter is a setting, a cache or an alternative input rather than an input tensor to
+    give: a bool, number or text default, or a name :data:`_NOT_INPUTS` matches."""
+    default = param.default
+    setting = isinstance(default, (bool, int, float, str)) and default is not inspect.Parameter.empty
+    return setting or bool(_NOT_INPUTS.fullmatch(param.name))
+
+
+def _main_inputs(model: nn.Module, tensors: list[str]) -> list[str]:
+    """A ``transformers`` model's inputs (one with ``main_input_name`` and a ``config``): its main input
+    (``input_ids``, ``pixel_values``) and ``attention_mask`` where the forward takes it; none for another model."""
+    main = getattr(model, "main_input_name", None)
+    if not isinstance(main, str) or not hasattr(model, "config") or main not in tensors:
+        return []
+    return [main] + [n for n in ("attention_mask",) if n in tensors and n != main]
 
 
 INPUT_SHAPE_FORM = "[NAME=]DIMS[:DTYPE]"

@@ -51,16 +51,26 @@ def triton_model_name(config_name: str, engine_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", f"{config_name}_{engine_name}")
 
 
-def _with_logits(meta: EngineMetadata, setting: str | int | None, result: EngineValidation) -> EngineMetadata:
-    """``meta`` naming the output the run held to top-1 agreement (``signature.logits_output``, by name) and what
-    that agreement counted (a multi-label head's decisions), which ``kiln validate ENGINE`` then holds it to too;
-    unchanged where the run named none, or where validation did not hold it (``result`` has no top-1 agreement: a
-    regression head's values, which no top-1 agreement guards)."""
+def _with_logits(
+    meta: EngineMetadata, setting: str | int | None, result: EngineValidation, held: str | None
+) -> EngineMetadata:
+    """``meta`` naming the output the run held to top-1 agreement and what that agreement counted (a multi-label
+    head's decisions), which ``kiln validate ENGINE`` then holds it to too: ``signature.logits_output`` where set (by
+    name or index), else the one validation chose (``held``, the baseline's ``logits_output``: integer labels beside
+    ``num_classes`` pick it), else the one the engine's record gives a top-1 agreement. Unchanged where validation
+    did not hold one (``result`` has no top-1 agreement: a regression head's values, which no top-1 agreement
+    guards)."""
     names = [o.name for o in meta.outputs]
-    if setting is None or result.top1_agreement is None:
+    if result.top1_agreement is None:
         return meta
     # validation checked the setting against the outputs; read here without kiln.core.outputs, which loads torch
-    name = str(setting) if str(setting) in names else names[setting] if isinstance(setting, int) else None
+    if setting is not None:
+        name = str(setting) if str(setting) in names else names[setting] if isinstance(setting, int) else None
+    else:
+        agreed = [n for n, stats in result.outputs.items() if stats.get("top1_agreement") is not None]
+        name = next((n for n in [held, *agreed] if n in names), None)
+    if name is None:
+        return meta
     return meta.model_copy(update={"logits_output": name, "logits_agreement": result.agreement})
 
 
@@ -91,7 +101,9 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             continue  # only engines proven against PyTorch (and, with precision.require_speedup, faster) are served
         packaged_dir = ctx.out / "engines" / meta.name
         shutil.copytree(engine_dir, packaged_dir)
-        validated = _with_logits(validation.served_metadata(meta), ctx.config.logits_output, result)
+        validated = _with_logits(
+            validation.served_metadata(meta), ctx.config.logits_output, result, validation.baseline.logits_output
+        )
         if validated != meta:  # said in the packaged engine itself, for every server and command that loads it
             meta = validated
             meta.write(packaged_dir / SIDECAR)

@@ -65,7 +65,7 @@ from kiln.stages.accuracy.check import (
     sample_batch,
     summarize,
 )
-from kiln.stages.accuracy.metrics import Metric, metric_labels, worse_than_mean_note
+from kiln.stages.accuracy.metrics import BOX_FORMAT, Metric, metric_labels, worse_than_mean_note
 from kiln.stages.accuracy.refusal import reference_error
 from kiln.stages.engines.backend import engine_dirs, read_metadata
 from kiln.stages.engines.registry import backend_named, load_engine, preference_order, runnable
@@ -711,6 +711,14 @@ def unscored(ref: Reference, data: DatasetSplits, named: str | int | None = None
     if ambiguous:
         named = f"signature.logits_output to the output that is the prediction ({' or '.join(fit)}), which mse scores"
         fix = f"set {named} by default; or {fix.removeprefix('set ')}"
+    boxes = _box_outputs(y, last)
+    if boxes:
+        fix = (
+            "set validate.metric: detection_recall, which scores labels [N, M, 5] of (class, x1, y1, x2, y2) against "
+            f"the boxes {' or '.join(repr(n) for n in boxes)} and the class scores beside them "
+            f"(signature.logits_output names the scores where their name does not say); {BOX_FORMAT}; or your own "
+            "pkg.mod:fn"
+        )
     if _one_logit_beside_binary(data, y, fit):
         fix = (
             "for a binary classifier's one logit, set num_classes=2 in DatasetSplits (docs/byom.md), which scores "
@@ -720,6 +728,14 @@ def unscored(ref: Reference, data: DatasetSplits, named: str | int | None = None
         f"no task metric scores the float targets {y.dtype}{list(y.shape)} ({_why_unscored(data, y, fit, ambiguous)}): "
         f"the engines are judged by their agreement with the reference alone; {fix}"
     )
+
+
+def _box_outputs(y: np.ndarray, outputs: dict[str, Any]) -> list[str]:
+    """The outputs that look like a detector's boxes (``[N, K, 4]``) where the targets look like its labelled
+    boxes (``[N, M, 5]``: class, x1, y1, x2, y2): what ``detection_recall`` scores; empty otherwise."""
+    if y.ndim != 3 or y.shape[-1] != 5:
+        return []
+    return [n for n, v in outputs.items() if np.ndim(v) == 3 and np.shape(v)[-1] == 4]
 
 
 def _one_logit_beside_binary(data: DatasetSplits, y: np.ndarray, fit: list[str]) -> bool:
