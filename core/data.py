@@ -435,8 +435,11 @@ def _labels_hint(y: Any, samples: int) -> str:
     """The fix for labels that are no tensor: a list of one tensor per sample (as many as the ``samples`` rows, or
     of lengths that differ: CTC transcripts) is padded into one with -100, which the losses ignore; targets in parts
     (a detector's ``{hm, wh, reg}``, tensors already) are packed into one, which batching, training and validation
-    carry as one; anything else is an array to wrap."""
+    carry as one; a list of one dict per sample (a Hugging Face detector's ``{class_labels, boxes}``) is laid into
+    one tensor; anything else is an array to wrap."""
     parts = list(y.values()) if isinstance(y, Mapping) else y if isinstance(y, (tuple, list)) else []
+    if parts and not isinstance(y, Mapping) and all(isinstance(p, Mapping) for p in parts):
+        return _dicts_hint(parts)
     if parts and all(is_tensor(t) for t in parts):
         per_sample = _per_sample(parts, samples) if isinstance(y, (tuple, list)) else None
         if per_sample is not None:
@@ -446,6 +449,23 @@ def _labels_hint(y: Any, samples: int) -> str:
             "along a new axis), and split them again in train.loss (targets[:, :C] for the first C channels)"
         )
     return "wrap arrays with torch.from_numpy(...), or give None for no labels"
+
+
+def _dicts_hint(parts: list[Mapping[str, Any]]) -> str:
+    """The fix for labels given as one dict of tensors per sample: with boxes, the ``[N, M, 5]`` rows of (class, x1,
+    y1, x2, y2) that ``validate.metric: detection_recall`` reads, padded with class -1; otherwise one tensor."""
+    keys = {str(k) for p in parts for k in p}
+    if any("box" in k.lower() for k in keys):
+        return (
+            "pad the per-image labels into one tensor [N, M, 5] of (class, x1, y1, x2, y2) rows, M the most boxes of "
+            "an image, class -1 for padding rows, which validate.metric: detection_recall reads (boxes as x1, y1, "
+            "x2, y2 in the units the model predicts; convert (cx, cy, w, h) ones), and turn them back into dicts in "
+            "train.loss"
+        )
+    return (
+        "stack the per-sample dicts into one tensor, one row per sample (torch.stack of each sample's values), and "
+        "split them again in train.loss"
+    )
 
 
 def _per_sample(parts: list[Any], samples: int) -> str | None:

@@ -192,8 +192,9 @@ def _cast_fix(array: np.ndarray, dtype: np.dtype, npz: bool) -> str:
     image's intensities, scaled to the dtype's range first (a cast alone makes every pixel 0 or 1); floats with
     fractions given to another integer input, or values past ``dtype``'s range, would lose their values to a cast,
     so none is offered; nor where the data holds NaN or infinity and ``dtype`` is an integer or bool, which no
-    integer holds (a cast makes NaN -9223372036854775808). ``npz``: numpy's arrays; else a torch tensor's conversion
-    is written beside it."""
+    integer holds (a cast makes NaN -9223372036854775808). Integers given to a float input are cast and scaled as
+    the model expects: a cast alone feeds a uint8 image's 0-255 to a model trained on 0-1. ``npz``: numpy's arrays;
+    else a torch tensor's conversion is written beside it."""
     values = _finite_values(array)
     if dtype.kind in "iub" and array.dtype.kind == "f" and values.size < array.size:
         return (
@@ -214,6 +215,9 @@ def _cast_fix(array: np.ndarray, dtype: np.dtype, npz: bool) -> str:
             f": its values ({values.min():.4g} to {values.max():.4g}) lie outside what {dtype} holds, which a cast "
             "would wrap or clip; give values the input takes"
         )
+    if dtype.kind == "f" and array.dtype.kind in "iu":
+        images = f" (uint8 images usually x.astype('{dtype}') / 255)" if array.dtype == np.uint8 else ""
+        return f", e.g. {_converted('x', dtype, npz)}, and scale the values as the model expects{images}"
     return f", e.g. {_converted('x', dtype, npz)}"
 
 

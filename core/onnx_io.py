@@ -1272,13 +1272,19 @@ INDEX_HINT = (
 )
 
 
-def outside_index(model: onnx.ModelProto, feed: dict[str, np.ndarray], name: str) -> str | None:
+def outside_index(
+    model: onnx.ModelProto, feed: dict[str, np.ndarray], name: str, counted_from_end: bool = True
+) -> str | None:
     """Why ``feed`` holds an index past a table ``model`` stores (:func:`index_ranges`; ``name``: the model's, for
     the sentence), or None. ONNX Runtime stops at the first such index with a traceback from deep in the graph;
-    checked before the data reaches it, the error names the input, the value and the table's rows. The data may
-    count from the end of a table down to ``-rows``, as ``Gather`` does (an engine's own ranges then start there)."""
+    checked before the data reaches it, the error names the input, the value and the table's rows.
+
+    ``counted_from_end``: the data may count from the end of a table down to ``-rows``, as ``Gather`` does; only
+    where the engines made with the data take its lows too (a run's engines record ranges from the data's smallest
+    value: `kiln run`'s check of a taken graph). False checks the ranges an engine built without the data records,
+    0 to rows - 1 (`kiln build` of a variant of `kiln precision --calibration`), in the words its own check uses."""
     ranges = index_ranges(model)
-    found = first_outside({k: from_end(r) for k, r in ranges.items()}, feed)
+    found = first_outside({k: from_end(r) for k, r in ranges.items()} if counted_from_end else ranges, feed)
     if found is None:
         return None
     key, value, _, cell = found
@@ -1287,6 +1293,11 @@ def outside_index(model: onnx.ModelProto, feed: dict[str, np.ndarray], name: str
     )
     low, high = whole_range(bounds)  # type: ignore[arg-type]
     where = cell_text(key, cell)
+    if not counted_from_end:
+        return (
+            f"input '{key}' holds {value}{where}: {name} takes values from {low} to {high} {'there ' if where else ''}"
+            "(the positions of the axis it indexes: a table's rows, a graph's nodes)"
+        )
     return (
         f"input '{key}' holds {value}{where}: {name} indexes an axis of {high - low + 1} positions "
         f"with it (values {low} to {high}, or down to {2 * low - high - 1} counted from its end)"

@@ -244,7 +244,7 @@ def _warn_few_rows(batches: list[Batch], calibration: Path, variants: list[str],
 def _refuse_outside_index(graph: Any, data: dict[str, np.ndarray], calibration: Path, src: Path) -> None:
     """Calibration data whose indices run past a table of the graph (:func:`kiln.core.onnx_io.outside_index`):
     refused before calibration and the accuracy gates feed them to ONNX Runtime, which would stop with a traceback."""
-    why = outside_index(graph, data, src.name)
+    why = outside_index(graph, data, src.name, counted_from_end=False)  # as `kiln build` records its ranges
     if why is not None:
         raise InputFileError(f"--calibration {calibration}: {why}", hint=INDEX_HINT)
 

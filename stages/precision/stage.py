@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -463,10 +464,10 @@ def mark_too_little(
         if share >= MIN_SHARE:
             return None
         why, hint = too_little(audit, precision, kept, quantized)
+        counted = "FLOPs" if audit.total else "compute node runs"
         return (
-            f"{label} not made: {share:.0%} of its {'FLOPs' if audit.total else 'compute node runs'} run in "
-            f"{precision} ({why}), under the {MIN_SHARE:.0%} an "
-            f"engine labelled {precision} must run (the precision audit)",
+            f"{label} not made: {share_under(share, MIN_SHARE)} of its {counted} run in {precision} ({why}), under "
+            f"the {MIN_SHARE:.0%} an engine labelled {precision} must run (the precision audit)",
             hint,
         )
 
@@ -481,6 +482,15 @@ def mark_too_little(
         label = f"{precision} (Q/DQ graph)" if entry.get("backend_paths") else precision
         if found := short(label, root / entry["path"], entry["kept_fp32"]):
             entry["unmade"], entry["unmade_hint"] = found
+
+
+def share_under(share: float, limit: float) -> str:
+    """``share`` as a percentage that reads below ``limit`` where it is below it: whole percents, or one decimal
+    cut (not rounded) where whole percents would print the limit itself (49.96% beside a 50% limit: 49.9%)."""
+    said = f"{share:.0%}"
+    if share >= limit or said != f"{limit:.0%}":
+        return said
+    return f"{math.floor(share * 1000) / 10:.1f}%"
 
 
 def too_little(audit: Audit, precision: str, kept: list[str], quantized: Collection[str]) -> tuple[str, str]:

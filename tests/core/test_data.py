@@ -601,3 +601,20 @@ def test_a_forward_of_args_alone_given_a_dict_is_told_to_give_a_tuple() -> None:
     assert "as a tuple" in err.value.hint and "[]" not in err.value.hint
     with pytest.raises(DataContractError, match=r"forward\(x, \*rest\) takes no argument 'y'"):
         check_forward_takes(_Mixed(), {"y": torch.zeros(2, 3)}, "m:build")
+
+
+def test_per_image_dicts_of_boxes_are_told_to_pad_them_into_detection_rows() -> None:
+    """Hugging Face detection labels, one dict {class_labels, boxes} per image, were told to wrap arrays."""
+
+    def labels(n: int) -> list[dict[str, torch.Tensor]]:
+        return [{"class_labels": torch.tensor([1] * (i % 3)), "boxes": torch.rand(i % 3, 4)} for i in range(n)]
+
+    data = DatasetSplits(torch.zeros(4, 3), labels(4), torch.zeros(2, 3), labels(2))
+    with pytest.raises(DataContractError, match="gives train_y as list") as err:
+        check_splits(data, "det:load_hf")
+    assert "[N, M, 5]" in err.value.hint and "(class, x1, y1, x2, y2)" in err.value.hint
+    assert "-1" in err.value.hint and "detection_recall" in err.value.hint and "from_numpy" not in err.value.hint
+    plain = [{"a": torch.zeros(2), "b": torch.zeros(1)} for _ in range(4)]
+    with pytest.raises(DataContractError) as err:
+        check_splits(DatasetSplits(torch.zeros(4, 3), plain, torch.zeros(2, 3), plain[:2]), "mine:data")
+    assert "stack" in err.value.hint and "[N, M, 5]" not in err.value.hint and "from_numpy" not in err.value.hint

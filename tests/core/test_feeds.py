@@ -140,3 +140,18 @@ def test_arrays_named_apart_from_the_inputs_are_named(tmp_path: Path) -> None:
     with pytest.raises(InputFileError) as err:
         read_feed(path, specs, "the model")
     assert "(missing 'text'; not an input: 'txt')" in err.value.message
+
+
+def test_integers_given_to_a_float_input_are_told_to_scale_them_too(tmp_path: Path) -> None:
+    """A uint8 image given to a float32 input was told only to cast it, which feeds 0-255 to a model of 0-1."""
+    spec = [TensorSpec(name="image", shape=["batch", 3, 4, 4], dtype="float32")]
+    path = tmp_path / "x.npz"
+    np.savez(path, image=np.full((2, 3, 4, 4), 200, np.uint8))
+    with pytest.raises(InputFileError) as err:
+        read_feed(path, spec, "the model")
+    assert "scale the values as the model expects" in err.value.hint
+    assert "x.astype('float32') / 255" in err.value.hint
+    np.savez(path, image=np.full((2, 3, 4, 4), 7, np.int64))
+    with pytest.raises(InputFileError) as err:
+        read_feed(path, spec, "the model")
+    assert "scale the values as the model expects" in err.value.hint and "/ 255" not in err.value.hint

@@ -135,6 +135,19 @@ def test_an_index_past_a_table_is_named_with_its_input_and_range() -> None:
     assert "input 'kind' holds -3:" in outside_index(graph, {"ids": ids, "kind": np.array([-3, 1])}, "m.onnx")
 
 
+def test_indices_checked_for_an_engine_built_without_the_data_start_at_0() -> None:
+    """`kiln build` of a variant records 0 to rows - 1 and refuses a negative id: calibration data checked for it
+    took ids counted from the end, and the error offered them."""
+    graph = _indexing_graph()
+    assert outside_index(graph, {"ids": np.array([0, 9])}, "m.onnx", counted_from_end=False) is None
+    assert outside_index(graph, {"ids": np.array([-1, 9])}, "m.onnx", counted_from_end=False) == (
+        "input 'ids' holds -1: m.onnx takes values from 0 to 9 (the positions of the axis it indexes: a table's rows, "
+        "a graph's nodes)"
+    )
+    past = outside_index(graph, {"ids": np.array([3, 10])}, "m.onnx", counted_from_end=False) or ""
+    assert "holds 10" in past and "from its end" not in past
+
+
 def zipmap_classifier(path: Path) -> Path:
     """x [N, 6] -> a 3-class linear classifier -> label [N] and probs, a ZipMap: a sequence of {class: probability}
     maps, as skl2onnx exports a scikit-learn classifier by default."""

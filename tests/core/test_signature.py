@@ -3,6 +3,7 @@ before any stage of the run does work, where Kiln exports the PyTorch model."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,7 +52,11 @@ def test_shapes_of_another_axis_than_declared_name_the_declared_one() -> None:
         {"signature.shapes": SHAPES, "model.onnx": "given.onnx"},
     ],
 )
-def test_declared_or_absent_shapes_and_a_model_onnx_run_pass_the_check(overrides: dict[str, Any]) -> None:
+def test_declared_or_absent_shapes_and_a_model_onnx_run_pass_the_check(
+    overrides: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "given.onnx").write_bytes(b"")  # a config naming a file is checked for it
     check_declared_shapes(_export_settings(**overrides))
 
 

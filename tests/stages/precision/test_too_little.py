@@ -105,3 +105,21 @@ def test_nodes_the_fallback_kept_are_the_cause_where_they_hold_the_flops(tmp_pat
     mark_too_little("int8", entry, tmp_path, {}, OP_TYPES)
     assert "(1 nodes kept in float to pass the gates)" in entry["unmade"]
     assert entry["unmade_hint"] == KEPT_HINT
+
+
+class _JustUnder:
+    """An audit of a graph with just under half its FLOPs in int8."""
+
+    total = 1
+
+    def share(self) -> dict[str, float]:
+        return {"int8": 0.4996, "fp32": 0.5004}
+
+
+def test_a_share_just_under_the_limit_is_not_said_as_the_limit(tmp_path: Path, monkeypatch) -> None:
+    """49.96% printed as "50% ..., under the 50% an engine labelled int8 must run" contradicted itself."""
+    monkeypatch.setattr("kiln.stages.precision.stage.audit_graph", lambda path, sizes: _JustUnder())
+    monkeypatch.setattr("kiln.stages.precision.stage.too_little", lambda *args: ("the cause", "the fix"))
+    entry = _entry()
+    mark_too_little("int8", entry, tmp_path, {}, OP_TYPES)
+    assert entry["unmade"].startswith("int8 not made: 49.9% of its FLOPs run in int8 (the cause), under the 50%")

@@ -378,3 +378,24 @@ def test_the_fusion_check_runs_at_a_size_the_model_takes() -> None:
     video_model = onnx.helper.make_model(video, opset_imports=[onnx.helper.make_opsetid("", 17)])
     assert "cannot run random inputs" in _parity(video_model, video_model)  # 2, 16 and 64 fail; 256 is not tried
     assert _parity(model, model, dynamic=64) is None
+
+
+def test_a_fused_op_with_no_cpu_kernel_is_named_whole_in_the_fusion_warning() -> None:
+    """The reason was cut at 120 characters, inside the op's name ("implementation for QOrd")."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kiln.stages.engines.onnxruntime.build import _parity
+
+    def graph(node: onnx.NodeProto, dtype: int, inits: list[onnx.TensorProto]) -> onnx.ModelProto:
+        x, y = (helper.make_tensor_value_info(n, dtype, ["batch", 4]) for n in ("x", "y"))
+        opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+        return helper.make_model(helper.make_graph([node], "g", [x], [y], inits), opset_imports=opsets)
+
+    ref = graph(helper.make_node("Relu", ["x"], ["y"]), TensorProto.FLOAT, [])
+    scale = numpy_helper.from_array(np.array(1.0, np.float32), "s")
+    fused = helper.make_node(
+        "QOrderedGelu", ["x", "s", "s"], ["y"], domain="com.microsoft", name="gelu_" + "x" * 60, order_X=1, order_Y=1
+    )
+    why = _parity(ref, graph(fused, TensorProto.INT8, [scale])) or ""
+    assert why.startswith("cannot run on CPU to check (") and why.endswith("implementation for QOrderedGelu(1))")
+    assert "[ONNXRuntimeError]" not in why
