@@ -422,7 +422,10 @@ def quantize_fp8(
 
 def _as_distribution(ranges: Ranges) -> Ranges:
     """``ranges`` as ORT's distribution calibration data whose scale for float8 (``std / std(E4M3 values)``,
-    ``compute_scale_zp_float8``) is the max-calibrated one, ``amax / 448``; uncached (a scratch file per use)."""
+    ``compute_scale_zp_float8``) is the max-calibrated one, ``amax / 448``; uncached (a scratch file per use). The
+    deviation divides before it multiplies, so an amax near float32's largest (a mask filled with ``-FLT_MAX``) keeps
+    a finite one; an amax that is not finite stays so, with no numpy warning (its nodes stay in float:
+    :func:`unbounded_nodes`)."""
     import numpy as np
     from ml_dtypes import float8_e4m3fn
     from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
@@ -434,7 +437,7 @@ def _as_distribution(ranges: Ranges) -> Ranges:
         lo, hi = (np.asarray(v, dtype=np.float32) for v in td.range_value)
         amax = np.maximum(np.abs(lo), np.abs(hi)).astype(np.float32)
         data[name] = TensorData(
-            avg=np.zeros_like(amax), std=(amax * std_f8 / E4M3_MAX).astype(np.float32), lowest=-amax, highest=amax
+            avg=np.zeros_like(amax), std=(amax / E4M3_MAX * std_f8).astype(np.float32), lowest=-amax, highest=amax
         )
     return Ranges(TensorsData(CalibrationMethod.Distribution, data), None, ranges.key + "-fp8", False, "minmax")
 

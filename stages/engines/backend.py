@@ -277,7 +277,9 @@ class Runner:
         if outside is not None:
             return InputError(f"{outside}; the engine failed on it: {ort_reason(exc, 200)}", hint=OUTSIDE_HINT)
         past = past_index(exc)
-        return None if past is None else InputError(f"engine {self.name}: {past}", hint=INDEX_HINT)
+        if past is None:
+            return None
+        return InputError(f"engine {self.name}: {past}{_index_sources(feed)}", hint=INDEX_HINT)
 
     def time_ms(
         self, feed: dict[str, np.ndarray], warmup: int, iterations: int, budget_s: float | None = None
@@ -331,14 +333,16 @@ LENGTHS_HINT = (
 )
 INDEX_HINT = (
     "pass values within the rows of the table the input indexes (a class id or timestep within the embedding's rows, "
-    "a token id within the vocabulary, a node index within the graph's nodes)"
+    "a token id within the vocabulary, a node index within the graph's nodes) and masks of 0s and 1s"
 )
-# ONNX Runtime's error where an index op's index lies past the axis it reads (Gather; GatherND; GatherElements and
-# ScatterElements), naming the node and, for Gather and GatherND, the index and the range the axis allows
+# ONNX Runtime's error where an index op's index lies past the axis it reads (Gather; GatherND and ScatterND, whose
+# kernels say "index" and "indice"; GatherElements and ScatterElements), naming the node and, for Gather, GatherND and
+# ScatterND, the index and, for Gather, the range the axis allows
 _PAST_INDEX = re.compile(
     r"running (?P<op>\w+) node\. Name:'(?P<node>[^']*)' Status Message: .*?(?:"
     r"indices element out of data bounds, idx=(?P<idx>-?\d+) must be within the inclusive range "
-    r"\[(?P<low>-?\d+),(?P<high>-?\d+)\]|invalid index found, index = (?P<nd>-?\d+)|out of range value in index)",
+    r"\[(?P<low>-?\d+),(?P<high>-?\d+)\]|invalid ind(?:ex|ice) found, ind(?:ex|ice) = (?P<nd>-?\d+)"
+    r"|out of range value in index)",
     re.IGNORECASE | re.DOTALL,
 )
 
@@ -361,6 +365,18 @@ def past_index(exc: BaseException) -> str | None:
         )
     index = f" {found['nd']}" if found["nd"] is not None else ""
     return f"{where} got an index{index} past the axis it reads"
+
+
+def _index_sources(feed: dict[str, np.ndarray]) -> str:
+    """The clause naming the feed's integer inputs, those an index past its axis may come from (a token id past the
+    vocabulary, an attention mask holding a value other than 0 and 1 that the graph turns into positions); empty
+    where the feed has none."""
+    names = [name for name, array in feed.items() if np.issubdtype(array.dtype, np.integer)]
+    if not names:
+        return ""
+    return f"; the index may come from the values of {'input' if len(names) == 1 else 'inputs'} " + ", ".join(
+        f"'{n}'" for n in names
+    )
 
 
 BATCH_HINT = (

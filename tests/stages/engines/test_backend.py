@@ -9,7 +9,7 @@ import pytest
 
 from kiln.core.errors import InputError
 from kiln.core.records import EngineMetadata, TensorSpec
-from kiln.stages.engines.backend import check_feed
+from kiln.stages.engines.backend import Runner, check_feed, past_index
 from kiln.stages.engines.registry import load_engine
 from tests.stages.engines.lstm_engine import lstm_engine
 
@@ -237,6 +237,60 @@ def test_an_index_past_a_table_the_check_does_not_range_is_kilns_error_naming_th
             runner.infer({"t": np.array([1, 2500], np.int64)})
     assert err.value.message == (
         f"engine {meta.name}: node 'lookup' (Gather) got index 5000, outside the 10 rows of the table it reads "
-        "(indices -10 to 9, negative ones counted from its end)"
+        "(indices -10 to 9, negative ones counted from its end); the index may come from the values of input 't'"
     )
     assert "ONNXRuntimeError" not in err.value.message and "within the rows of the table" in err.value.hint
+
+
+def _scatter_nd_error() -> Exception:
+    """The installed ONNX Runtime's own error for a ScatterND index past the axis it writes."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    node = helper.make_node("ScatterND", ["data", "idx", "upd"], ["out"], name="scatter")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("data", onnx.TensorProto.FLOAT, [4]),
+            helper.make_tensor_value_info("idx", onnx.TensorProto.INT64, [1, 1]),
+            helper.make_tensor_value_info("upd", onnx.TensorProto.FLOAT, [1]),
+        ],
+        [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feed = {"data": np.zeros(4, np.float32), "idx": np.array([[398]], np.int64), "upd": np.ones(1, np.float32)}
+    with pytest.raises(Exception) as err:
+        sess.run(None, feed)
+    return err.value
+
+
+class _Failing(Runner):
+    """A runner whose backend fails with ``error`` on every call."""
+
+    error: Exception
+
+    def _activate(self) -> None:
+        pass
+
+    def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise self.error
+
+
+def test_a_scatter_nd_index_past_its_axis_is_kilns_error_naming_the_integer_inputs() -> None:
+    """ONNX Runtime's ScatterND says "invalid indice found, indice = N" (a Wav2Vec2 fed a mask holding 2): Kiln's
+    InputError naming the node, the index and the integer input it may come from, not the raw ONNX Runtime text."""
+    error = _scatter_nd_error()
+    assert "invalid indice found, indice = 398" in str(error)
+    assert past_index(error) == "node 'scatter' (ScatterND) got an index 398 past the axis it reads"
+    runner = _Failing(Path("."), META)
+    runner.error = error
+    with runner, pytest.raises(InputError) as err:
+        runner.infer({**GOOD, "input_ids": np.full((2, 5), 2, np.int64)})
+    assert err.value.message == (
+        "engine e: node 'scatter' (ScatterND) got an index 398 past the axis it reads; the index may come from the "
+        "values of input 'input_ids'"
+    )
+    assert "ONNXRuntimeError" not in err.value.message and "masks of 0s and 1s" in err.value.hint
