@@ -513,14 +513,14 @@ def _wants_decoder_inputs(model: nn.Module, x: Any) -> bool:
 
 def _data_fix(model: nn.Module, x: Any, names: list[str], data_ref: str) -> str | None:
     """The fix for probe rows ``x`` the forward failed on where converting some inputs makes it run: the data is
-    then what to change, said as that conversion (:func:`_wrong_float_inputs`, :func:`_integer_images`,
+    then what to change, said as that conversion (:func:`_wrong_float_inputs`, :func:`_integer_values`,
     :func:`_channels_last`); None where none does."""
     parts = tensors(x)
     off = _wrong_float_inputs(model, x)
     if off is not None:
         wrong, dtype = off
         return _dtype_fix([names[i] for i in wrong], [parts[i].dtype for i in wrong], dtype, data_ref)
-    ints = _integer_images(model, x)
+    ints = _integer_values(model, x)
     if ints is not None:
         wrong, dtype = ints
         return _integer_fix([names[i] for i in wrong], [parts[i] for i in wrong], dtype, data_ref)
@@ -546,28 +546,55 @@ def _weights_dtype(model: nn.Module) -> torch.dtype | None:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
-def _integer_images(model: nn.Module, x: Any) -> tuple[list[int], torch.dtype] | None:
-    """The positions of the uint8 inputs of ``x`` (an image's pixels, as a decoder gives them) that the model takes
-    only as floats in its weights' dtype (a convolution's ``Input type (unsigned char) and bias type (float)``), with
-    that dtype, where the forward runs once they are converted. None otherwise."""
+# Integer samples (not int64, the dtype of indices) a float model reads as values, and what scales each to 0..1 or
+# -1..1 as it is converted: an image's uint8 pixels (of 3 axes or more: :func:`_integer_fix`), PCM audio's samples
+INTEGER_SCALES = {torch.uint8: 255, torch.int8: 128, torch.int16: 32768, torch.int32: 2**31}
+
+
+def _integer_values(model: nn.Module, x: Any) -> tuple[list[int], torch.dtype] | None:
+    """The positions of the integer inputs of ``x`` (:data:`INTEGER_SCALES`: an image's uint8 pixels as a decoder
+    gives them, int16 PCM audio) that the model takes only as floats in its weights' dtype (a convolution's ``Input
+    type (unsigned char) and bias type (float)``, ``expected scalar type Short but found Float``), with that dtype,
+    where the forward runs once they are converted. None otherwise."""
     dtype, parts = _weights_dtype(model), tensors(x)
-    wrong = [i for i, t in enumerate(parts) if t.dtype == torch.uint8]
-    if dtype is None or not wrong:
+    wrong = [i for i, t in enumerate(parts) if t.dtype in INTEGER_SCALES]
+    if dtype is None or not dtype.is_floating_point or not wrong:
         return None
     cast = rebuild(x, [t.to(dtype) if i in wrong else t for i, t in enumerate(parts)])
     return (wrong, dtype) if _runs(model, cast) else None
 
 
+def _scale(t: torch.Tensor) -> int | None:
+    """What integer input ``t`` is divided by as it is converted to floats: uint8 images (3 axes or more) by 255,
+    signed samples (int16 PCM audio) by their range; None for uint8 of fewer axes (byte features, not pixels)."""
+    if t.dtype == torch.uint8 and t.ndim < 3:
+        return None
+    return INTEGER_SCALES.get(t.dtype)
+
+
+def _scaled_said(given: list[torch.Tensor]) -> str:
+    """What the scales of :func:`_integer_fix` do, for the inputs ``given``: pixels to 0..1, samples to -1..1."""
+    said = []
+    for t in given:
+        scale = _scale(t)
+        if scale is not None:
+            kind = str(t.dtype).removeprefix("torch.")
+            values = "an image's pixels to 0..1" if t.dtype == torch.uint8 else f"{kind} samples (PCM audio) to -1..1"
+            said.append(f"; / {scale} scales {values}")
+    return "".join(dict.fromkeys(said))
+
+
 def _integer_fix(names: list[str], given: list[torch.Tensor], dtype: torch.dtype, data_ref: str) -> str:
-    """The fix for uint8 inputs ``names`` (tensors ``given``) the model takes as ``dtype``: images (3 axes or more)
-    scaled to 0..1 as they are converted (``x.float() / 255``), as an image model's pixels are."""
+    """The fix for integer inputs ``names`` (tensors ``given``) the model takes as ``dtype``: uint8 images (3 axes
+    or more) scaled to 0..1 as they are converted (``x.float() / 255``), as an image model's pixels are, and signed
+    samples to -1..1 (``x.float() / 32768`` for int16 PCM audio)."""
     cast = ".float()" if dtype == torch.float32 else f".to({dtype})"
     how = ", ".join(
-        (n if n.isidentifier() else f"input {n}") + cast + (" / 255" if t.ndim >= 3 else "")
+        (n if n.isidentifier() else f"input {n}") + cast + (f" / {_scale(t)}" if _scale(t) else "")
         for n, t in zip(names, given)
     )
-    which = " and ".join(f"'{n}' (uint8)" for n in names)
-    scaled = "; / 255 scales an image's pixels to 0..1" if any(t.ndim >= 3 for t in given) else ""
+    which = " and ".join(f"'{n}' ({str(t.dtype).removeprefix('torch.')})" for n, t in zip(names, given))
+    scaled = _scaled_said(given)
     return (
         f"give input{'s' if len(names) > 1 else ''} {which} as {str(dtype).removeprefix('torch.')}, the dtype of the "
         f"model's weights ({how} in the data function '{data_ref}'{scaled})"

@@ -533,6 +533,14 @@ DECODER_FIX = (
 )
 
 
+# Why train.loss does not take care of class logits at a fraction of the labels' size: it may scale them up to
+# train (Hugging Face's SegFormer loss does), but the checks after export score the logits as the model returns them
+OWN_LOSS_AT_A_FRACTION = (
+    "; a train.loss that scales them up cannot stand in for this: precision and validation read accuracy and top-1 "
+    "agreement off the model's logits as it returns them, one row of class scores per label"
+)
+
+
 def _too_few_classes(target: torch.Tensor, num_classes: int, output: str | None) -> ModelError:
     """The error for class logits per position shaped like the labels but with fewer classes than the dataset
     declares: the head's size and ``num_classes`` disagree, not the shapes."""
@@ -552,12 +560,14 @@ def check_positions(
     model_ref: str,
     lacks_decoder: bool = False,
     output: str | None = None,
+    own_loss: bool = False,
 ) -> None:
     """Class logits ``target`` (the model's output ``output``) fit labels per position ``y``: one row of class
     scores per labelled position, which accuracy and top-1 agreement read. Logits at a fraction of the labels' size
     (a SegFormer's, at a quarter) are not scaled up by Kiln: the fix says how. ``lacks_decoder``: the model's forward
     takes ``decoder_input_ids`` the data does not give, the likely cause of logits of another length
-    (:data:`DECODER_FIX`)."""
+    (:data:`DECODER_FIX`). ``own_loss``: train.loss is set, which may scale the logits up to train, but validation
+    still reads them as they are (:data:`OWN_LOSS_AT_A_FRACTION`), so the fix says it cannot stand in."""
     axis = class_axis(target.ndim)
     positions = _positions(target)
     if positions == tuple(y.shape) and target.shape[axis] >= max(num_classes, 2):
@@ -570,31 +580,57 @@ def check_positions(
             f"return the logits at the labels' size {tuple(y.shape[1:])} (a wrapper's forward: "
             f"F.interpolate(logits, size=labels' size, mode='{mode}')), or give labels at the logits' size "
             f"{positions[1:]}"
-        )
+        ) + (OWN_LOSS_AT_A_FRACTION if own_loss else "")
     elif _channel_axis_of_one(positions, y):
         hint = (
             f"drop the labels' axis of size 1 (y.squeeze(1): labels {tuple(y.shape)} -> {positions}), one class "
             "index per position, as torch.nn.functional.cross_entropy takes them"
         )
+    elif _shifted(positions, y) and not lacks_decoder:
+        hint = SHIFTED_FIX
     else:
-        hint = (
-            "make the model return one row of class logits per labelled position, set its num_classes to the "
-            "dataset's, or name the logits output in signature.logits_output"
-        )
-        if positions != tuple(y.shape):
-            hint += (
-                "; labels of another length than the logits' positions (CTC targets) need train.loss, a loss of "
-                "yours that reads them (torch.nn.functional.ctc_loss)"
-            )
-        hint = f"{DECODER_FIX}; or {hint}" if lacks_decoder and positions != tuple(y.shape) else hint
-        if target.ndim <= y.ndim and len(target) == len(y):  # a row of logits per sample: labels may be targets
-            hint += "; labels of several targets per sample need train.loss to train on and validate.metric to score"
+        hint = _misfit_hint(target, y, num_classes, lacks_decoder)
     raise ModelError(
         f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for labels of shape "
         f"{tuple(y.shape)} ({num_classes} classes): a label per position needs logits shaped like the labels plus "
         "a class axis (last, or axis 1 from four axes on)",
         hint=hint,
     )
+
+
+def _misfit_hint(target: torch.Tensor, y: torch.Tensor, num_classes: int, lacks_decoder: bool) -> str:
+    """The fix for class logits per position that do not follow the labels, where no one cause is known: the
+    model's rows, its class count (unless it is already the dataset's), the logits output; labels of another length
+    (CTC targets) or several targets per sample are a loss of the user's."""
+    positions = _positions(target)
+    classes = "" if target.shape[class_axis(target.ndim)] == num_classes else ", set its num_classes to the dataset's"
+    hint = (
+        f"make the model return one row of class logits per labelled position{classes}, or name the logits output "
+        "in signature.logits_output"
+    )
+    if positions != tuple(y.shape):
+        hint += (
+            "; labels of another length than the logits' positions (CTC targets) need train.loss, a loss of "
+            "yours that reads them (torch.nn.functional.ctc_loss)"
+        )
+    hint = f"{DECODER_FIX}; or {hint}" if lacks_decoder and positions != tuple(y.shape) else hint
+    if target.ndim <= y.ndim and len(target) == len(y):  # a row of logits per sample: labels may be targets
+        hint += "; labels of several targets per sample need train.loss to train on and validate.metric to score"
+    return hint
+
+
+def _shifted(positions: tuple[int, ...], y: torch.Tensor) -> bool:
+    """Labels of a sequence one position shorter than the logits' (``[N, T-1]`` beside ``[N, T, C]``): next-token
+    labels cut to ``ids[:, 1:]``, not kept as long as the input with the last position unlabelled."""
+    return len(positions) == y.ndim == 2 and positions[0] == len(y) and positions[1] == y.shape[1] + 1
+
+
+# The fix for next-token labels one position shorter than the logits (docs/byom.md's shift)
+SHIFTED_FIX = (
+    "labels one position shorter than the logits (shifted for next-token prediction?): keep them as long as the "
+    f"input and mark the last position unlabelled, y[:, :-1] = ids[:, 1:] and y[:, -1] = {labels.IGNORE_LABEL} "
+    f"(y = torch.nn.functional.pad(ids[:, 1:], (0, 1), value={labels.IGNORE_LABEL}))"
+)
 
 
 def _output_expr(out: Any) -> str:
@@ -937,7 +973,7 @@ def check_task(
         if target.ndim != y.ndim + 1:  # labels of another kind beside the user's loss (multi-hot): none read
             return
         if _positions(target) == tuple(y.shape) or _at_a_fraction(_positions(target), y):
-            check_positions(target, y, num_classes, model_ref, output=_logits_output(task, out))
+            check_positions(target, y, num_classes, model_ref, output=_logits_output(task, out), own_loss=True)
         else:
             _say_unscored(task, target, y)
         return
@@ -964,7 +1000,7 @@ def check_task(
             )
     elif tuple(target.shape) != tuple(y.shape):
         # float labels of a classifier (the data declares classes, the output has a row of scores per label)
-        classes = num_classes > 0 and target.ndim == y.ndim + 1 and tuple(target.shape[:-1]) == tuple(y.shape)
+        classes = num_classes > 0 and target.ndim == y.ndim + 1 and _positions(target) == tuple(y.shape)
         raise ModelError(
             f"model '{model_ref}' gives {tuple(target.shape)} for float targets of shape "
             f"{tuple(y.shape)}: mean squared error needs the same shape",

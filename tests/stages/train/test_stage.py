@@ -81,3 +81,26 @@ def test_nhwc_uint8_images_are_said_to_be_permuted_and_converted() -> None:
         "float32"
     ), e.value.hint
     assert "pixel_values.float() / 255 in the data function 'imgs:load'" in e.value.hint
+
+
+class Pcm(nn.Module):
+    """An audio classifier on float samples: a 1-D convolution over [N, samples]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 2, 5)
+
+    def forward(self, input_values: torch.Tensor) -> torch.Tensor:
+        return self.conv(input_values[:, None]).mean(-1)
+
+
+def test_int16_pcm_samples_are_said_to_be_converted_and_scaled() -> None:
+    """int16 waveforms got torch's 'expected scalar type Short but found Float' and the generic fix."""
+    samples = torch.randint(-32768, 32767, (4, 64), dtype=torch.int16)
+    y = torch.arange(4) % 2
+    data = DatasetSplits({"input_values": samples}, y, {"input_values": samples}, y, num_classes=2, name="pcm:load")
+    with pytest.raises(ModelError) as e:
+        check_model_fits_data(Pcm(), data, "pcm:build")
+    assert e.value.hint.startswith("give input 'input_values' (int16) as float32"), e.value.hint
+    assert "input_values.float() / 32768 in the data function 'pcm:load'" in e.value.hint
+    assert "to -1..1" in e.value.hint

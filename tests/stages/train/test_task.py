@@ -79,3 +79,52 @@ def test_a_sigmoid_output_is_refused_by_binary_cross_entropy_with_logits() -> No
     with pytest.raises(ConfigError, match="sigmoid's output") as err:
         Task("binary").loss(probabilities, torch.tensor([[0.0], [1.0]]))
     assert "binary_cross_entropy" in err.value.hint
+
+
+@pytest.mark.parametrize(("logits", "y"), [((2, 5, 8, 8), (2, 8, 8)), ((2, 6, 5), (2, 6))])
+def test_float_class_indices_per_position_are_told_to_be_integers(logits: tuple, y: tuple) -> None:
+    """Class maps [N, H, W] beside logits [N, C, H, W] have their class axis at 1, not last: they got the
+    regression fix (match the output's shape) instead."""
+    targets = torch.randint(0, 5, y).float()
+    with pytest.raises(ModelError, match="mean squared error") as err:
+        check_task(Task("regression"), torch.zeros(logits), targets, 5, "m")
+    assert err.value.hint.startswith("give class labels as integers (y.long())")
+
+
+def _upsampled_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's SegFormer loss: logits scaled up to the labels' size, then cross-entropy."""
+    up = nn.functional.interpolate(outputs, size=targets.shape[-2:], mode="bilinear", align_corners=False)
+    return nn.functional.cross_entropy(up, targets, ignore_index=-100)
+
+
+def test_logits_at_a_fraction_beside_a_loss_that_scales_them_say_the_loss_cannot_stand_in() -> None:
+    """The checks after export score the logits as the model returns them, whatever train.loss trained on: the fix
+    said the same as without a loss, which the user had already tried to answer with one."""
+    task = Task("classification", user_loss=_upsampled_cross_entropy)
+    y = torch.randint(0, 5, (2, 16, 16))
+    with pytest.raises(ModelError, match=r"class logits of shape \(2, 5, 4, 4\)") as err:
+        check_task(task, torch.zeros(2, 5, 4, 4), y, 5, "m")
+    assert "F.interpolate" in err.value.hint and "train.loss that scales them up cannot stand in" in err.value.hint
+    with pytest.raises(ModelError) as plain:
+        check_task(Task("classification"), torch.zeros(2, 5, 4, 4), y, 5, "m")
+    assert "cannot stand in" not in plain.value.hint
+
+
+def test_next_token_labels_one_shorter_than_the_logits_are_told_to_keep_the_input_length() -> None:
+    """y = ids[:, 1:] beside [N, T, vocab] logits got the advice to change num_classes (already the vocabulary's),
+    the logits output or a CTC loss, none of which applies."""
+    ids = torch.randint(0, 7, (2, 6))
+    with pytest.raises(ModelError, match=r"class logits of shape \(2, 6, 7\)") as err:
+        check_task(Task("classification"), torch.zeros(2, 6, 7), ids[:, 1:], 7, "m")
+    hint = err.value.hint
+    assert "one position shorter" in hint and "pad(ids[:, 1:], (0, 1), value=-100)" in hint
+    assert "num_classes" not in hint and "ctc_loss" not in hint
+
+
+def test_positions_that_do_not_fit_leave_out_num_classes_where_the_head_already_has_them() -> None:
+    with pytest.raises(ModelError) as err:
+        check_task(Task("classification"), torch.zeros(2, 6, 7), torch.zeros(2, 3, dtype=torch.long), 7, "m")
+    assert "num_classes" not in err.value.hint and "one row of class logits per labelled position" in err.value.hint
+    with pytest.raises(ModelError) as err:
+        check_task(Task("classification"), torch.zeros(2, 6, 7), torch.zeros(2, 3, dtype=torch.long), 9, "m")
+    assert "set its num_classes to the dataset's" in err.value.hint
