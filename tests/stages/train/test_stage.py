@@ -18,32 +18,18 @@ from kiln.stages.train.stage import check_model_fits_data
 from tests.conftest import tiny_config_dict
 
 
-class BoxHead(nn.Module):
-    """A detector's head: 10 queries of 5 classes + no-object and their boxes, a dict of two outputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(12, 10 * 10)
-
-    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        z = self.proj(x.flatten(1)).view(-1, 10, 10)
-        return {"logits": z[..., :6], "pred_boxes": z[..., 6:].sigmoid()}
-
-
-def box_data() -> DatasetSplits:
-    """Images [N, 3, 2, 2] with one box label each, (class, x1, y1, x2, y2): what detection_recall reads."""
-    g = torch.Generator().manual_seed(0)
-    x, boxes = torch.randn(16, 3, 2, 2, generator=g), torch.rand(16, 1, 5, generator=g)
-    return DatasetSplits(x[:8], boxes[:8], x[8:], boxes[8:], 5)
-
-
 def test_box_labels_with_training_off_are_no_warning_of_a_missing_metric(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """It warned "val accuracy not measured ... mean squared error needs the same shape" of labels that only
     validate.metric (which the train stage does not see) reads."""
-    over = {"train.enabled": False, "model.name": f"{__name__}:BoxHead", "model.params": {}}
-    over["data.name"] = f"{__name__}:box_data"
+    boxes = "tests.stages.train.test_train_stage"  # its detector head and box labels
+    over = {
+        "train.enabled": False,
+        "model.name": f"{boxes}:BoxHead",
+        "model.params": {},
+        "data.name": f"{boxes}:box_data",
+    }
     monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
     caplog.set_level(logging.INFO, logger="kiln")
     result = Runner(config_from_dict(tiny_config_dict(**over)), tmp_path / "wd", STAGES).run(stop="train")
