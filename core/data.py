@@ -544,8 +544,9 @@ def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> No
             hint="give int64 labels ([N], or [N, ...] one per position) or float targets",
         )
     if not isinstance(num_classes, int) or num_classes < 1:
+        said = "is not given" if num_classes in (0, None) else f"is {num_classes!r}, not a positive integer"
         raise DataContractError(
-            f"dataset '{ref}': integer labels but num_classes is {num_classes!r}, not a positive integer",
+            f"dataset '{ref}': integer labels but num_classes {said}",
             hint="pass num_classes=... to DatasetSplits (or float targets for regression); labels that are group ids "
             "for a train.loss of yours (a contrastive loss's positives) take num_classes = the number of groups",
         )

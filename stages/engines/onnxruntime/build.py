@@ -451,6 +451,9 @@ def maybe_fuse(
         return model, {"applied": False, "why": "no attention-like ops"}
     if cfg.transformer_fusion == "auto" and graph_has_fp16(model):
         return model, {"applied": False, "why": "graph already FP16: ORT fuses best from the FP32 graph"}
+    if cfg.transformer_fusion == "auto" and graph_is_int8(model):
+        log.info("ORT transformer fusion not applied: %s", ALREADY_INT8)
+        return model, {"applied": False, "why": ALREADY_INT8}
     from onnxruntime.transformers.optimizer import optimize_model
 
     # optimize_model rewrites a ModelProto in place: fuse a copy, so the parity check below compares two
@@ -533,6 +536,32 @@ def _keep_inputs(model: onnx.ModelProto, fused: onnx.ModelProto) -> None:
 
 def graph_has_fp16(model: onnx.ModelProto) -> bool:
     return any(i.data_type == onnx.TensorProto.FLOAT16 for i in model.graph.initializer)
+
+
+# Ops of a quantized graph: Q/DQ pairs (the precision stage's INT8 graph) and ONNX Runtime's integer kernels (its
+# ONNX Runtime CPU graph); QLinear* ops are matched by prefix
+INT8_OPS = {
+    "QuantizeLinear",
+    "DequantizeLinear",
+    "DynamicQuantizeLinear",
+    "MatMulInteger",
+    "ConvInteger",
+    "MatMulIntegerToFloat",
+    "DynamicQuantizeMatMul",
+    "DynamicQuantizeLSTM",
+    "QGemm",
+    "QAttention",
+}
+ALREADY_INT8 = (
+    "graph already INT8 (Q/DQ or integer ops): ORT's fusions rewrite it into QOrdered* ops, which have no CPU kernel "
+    "(the fusion's check runs on CPU) and run on CUDA only"
+)
+
+
+def graph_is_int8(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` is quantized (:data:`INT8_OPS`, QLinear*): ORT's transformer fusions turn such a graph into
+    QOrdered* ops, which the fusion's CPU parity check cannot run, so fusing it is wasted work."""
+    return any(n.op_type in INT8_OPS or n.op_type.startswith("QLinear") for n in model.graph.node)
 
 
 # The fusion check's batch, and the sizes tried in turn for the dynamic axes nothing sizes, until the unfused graph
