@@ -1305,9 +1305,17 @@ class _Reaper:
         return set(psutil.Process().children(recursive=True))  # psutil.Process: equal by pid and start time
 
     def _look(self) -> None:
-        found = {p.pid: p for p in self._children() - self._others if not _own_resource_tracker(p)}
+        found = {p.pid: p for p in self._children() - self._others}
         with self._lock:
-            self._tree |= found
+            # the tracker is told by the pid multiprocessing records once it started, which a look may precede (the
+            # child runs before its pid is stored): dropped at every look, not only when first seen
+            self._tree = {pid: p for pid, p in (self._tree | found).items() if not _own_resource_tracker(p)}
+
+    def _server_tree(self) -> list[Any]:
+        """The server's processes seen so far, less this process's resource tracker (a look may have preceded its
+        pid being recorded)."""
+        with self._lock:
+            return [p for p in self._tree.values() if not _own_resource_tracker(p)]
 
     def _regions(self, pids: list[int] | None = None) -> None:
         """The /dev/shm files the server's processes (or ``pids``) map (the Python backend's region): a server killed
@@ -1340,8 +1348,7 @@ class _Reaper:
     def _kill(self, why: str, level: int = logging.ERROR) -> None:
         import psutil
 
-        with self._lock:
-            left = [p for p in self._tree.values() if p.is_running()]
+        left = [p for p in self._server_tree() if p.is_running()]
         left += [p for p in self._from_scratch() if p not in left]
         self._regions([p.pid for p in left])  # what they map goes with them (close() removes it)
         if left:
@@ -1381,9 +1388,7 @@ class _Reaper:
             self._kill("stopped before the server was ready", logging.DEBUG)
         else:
             end = (self._stop_at or time.monotonic()) + (self.deadline_s if self._stop_at else 2.0)
-            with self._lock:
-                tree = list(self._tree.values())
-            psutil.wait_procs(tree, timeout=max(0.1, end - time.monotonic()))
+            psutil.wait_procs(self._server_tree(), timeout=max(0.1, end - time.monotonic()))
             # a stub still busy with the last requests when the deadline came: killed, as the stop promised
             self._kill("processes of the server outlived its stop", logging.WARNING)
         # unlinked while a killed process may still map it: the name goes now, the memory with the last mapping

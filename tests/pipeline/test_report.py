@@ -29,7 +29,7 @@ VALIDATION = ValidationResult(
 )
 def test_a_run_on_random_inputs_says_so_in_its_report(tmp_path: Path, sections: dict, random: bool) -> None:
     (tmp_path / "m.onnx").write_bytes(b"")
-    cfg = config_from_dict({**tiny_config_dict(), **sections}, source=str(tmp_path / "kiln.yaml"))
+    cfg = config_from_dict({**tiny_config_dict(), **sections}, source=str(tmp_path / "kiln.yaml"), base=tmp_path)
     result = RunResult(tmp_path / "wd", [StageRecord("validate", "ran", 0.1, summary=VALIDATION)])
     report = build_report(result, cfg)
     assert (report.get("inputs", {}).get("kind") == "random") is random

@@ -61,3 +61,28 @@ def test_this_processs_resource_tracker_is_no_process_of_the_server() -> None:
     only: a stop that counted it among the server's processes would wait for it to its deadline, then kill it."""
     done = subprocess.run([sys.executable, "-c", _TRACKER_CHECK], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# the tracker's child runs before multiprocessing stores its pid: a look in between sees a child it cannot tell
+_TRACKER_SEEN_EARLY = """
+import psutil
+from multiprocessing import resource_tracker
+from kiln.serve.server import _Reaper, _StopRequest
+reaper = _Reaper(_StopRequest(), deadline_s=60.0, exit_process=False)
+resource_tracker.ensure_running()
+pid = resource_tracker._resource_tracker._pid
+resource_tracker._resource_tracker._pid = None  # as between the tracker's start and its pid being stored
+reaper._look()
+resource_tracker._resource_tracker._pid = pid
+assert pid in reaper._tree  # taken for a server process while it could not be told
+reaper.close()
+tracker = psutil.Process(pid)
+assert tracker.status() != psutil.STATUS_ZOMBIE, "the tracker seen before its pid was stored was killed"
+"""
+
+
+def test_a_tracker_seen_before_its_pid_was_stored_is_left_alone_at_the_stop() -> None:
+    """Under load a look can fall between the tracker's start and multiprocessing storing its pid: the stop still
+    tells it apart from the server's processes (it neither waits for it nor kills it)."""
+    done = subprocess.run([sys.executable, "-c", _TRACKER_SEEN_EARLY], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
