@@ -33,6 +33,19 @@ class BuildConfig(Section):
         the precision stage converts a variant's graph only for them. Read as ``build.graph_readers``."""
         return [b for b in self.backends if BACKENDS[b].reads_graph]
 
+    @property
+    def graph_engines(self) -> list[str]:
+        """``<backend>-<device>`` of each engine kind built from the precision stage's graphs: each graph reader on
+        the devices its section lists (``build.<name>.devices``), else on every device it builds for. The precision
+        stage reads it to know which INT8 graph (Q/DQ, or ONNX Runtime CPU's own) any engine of the run loads.
+        Sorted: the order devices are listed in changes no graph. Read as ``build.graph_engines``."""
+        engines = []
+        for name in self.graph_readers:
+            devices = getattr(getattr(self, name, None), "devices", None)
+            listed = devices if isinstance(devices, list) else BACKENDS[name].devices
+            engines += [f"{name}-{d}" for d in listed]
+        return sorted(set(engines))
+
     @classmethod
     def subsections(cls) -> dict[str, type[Section]]:
         return {name: backend.config for name, backend in BACKENDS.items()}

@@ -27,7 +27,8 @@ PRECISION_GATES = tuple(f"validate.gates.{g}" for g in GatesConfig.model_fields 
 @dataclass(frozen=True)
 class PrecisionSettings(StageSettings):
     """What the precision stage reads: its section and calibration's, the data it calibrates and checks
-    variants on (with the model and seed that make it), and the signature (logits output, dynamic axes)."""
+    variants on (with the model and seed that make it), the signature (logits output, dynamic axes), and which
+    engines load its graphs."""
 
     SOURCES = {
         "signature": (
@@ -37,6 +38,7 @@ class PrecisionSettings(StageSettings):
             "signature.batch_sizes",
         ),
         "graph_readers": "build.graph_readers",
+        "graph_engines": "build.graph_engines",
         # validation's accuracy gates, metric and held-out data: a variant is accepted by the check its engines will
         # face (read together as ``validate``)
         "gates": PRECISION_GATES,
@@ -49,6 +51,9 @@ class PrecisionSettings(StageSettings):
     calibration: CalibrationConfig
     signature: Signature
     graph_readers: list[str]  # the configured backends that build from ONNX graphs: none, no graph is converted
+    # their engines as <backend>-<device>: where onnxruntime-cpu alone loads INT8 graphs, the Q/DQ graph is no
+    # engine's and only ONNX Runtime CPU's own graph is searched (kiln.stages.precision.variants.build_int8)
+    graph_engines: list[str]
     gates: GatesConfig
     held_out: CheckConfig
 

@@ -67,6 +67,7 @@ from kiln.stages.precision.variants import (
 # Fewer calibration rows than this are warned of: one calibration batch at the default calibration.batch_size, the
 # floor `kiln precision` warns under too (kiln.stages.precision.direct imports this module: no import back)
 FEW_ROWS = 32
+ORT_CPU_ENGINE = "onnxruntime-cpu"  # the one engine kind that loads an INT8 variant's own ONNX Runtime CPU graph
 
 
 def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
@@ -133,6 +134,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
             wanted,
             off if random else None,
             required=cfg.required,
+            qdq_read=reads_qdq(ctx.config.graph_engines),
         )
         if carried is not None and as_given is not None:
             variants[as_given] = carried.as_given(src, ctx.out / as_given / "model.onnx")
@@ -186,6 +188,12 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
         **node_report,
         calibration_cache=str(cache_dir / "calibration") if cache_dir else None,
     )
+
+
+def reads_qdq(engines: Collection[str]) -> bool:
+    """Whether any of ``engines`` (``build.graph_engines``) loads an INT8 variant's Q/DQ graph: every engine kind
+    but ONNX Runtime CPU's, which loads its own graph (where one is made)."""
+    return any(e != ORT_CPU_ENGINE for e in engines)
 
 
 def warn_few_calibration_rows(
@@ -284,6 +292,7 @@ def build_variants(
     asked: Collection[str] | None = None,
     off_hint: str | None = None,
     required: Collection[str] | None = None,
+    qdq_read: bool = True,
 ) -> tuple[dict[str, Any], dict[str, KilnError]]:
     """Each wanted variant into ``root/<precision>/model.onnx`` (FP32: ``src.path``, already there), judged by
     ``x_val`` (validation's check, or samples to check on); a variant that fails, that no fallback round got
@@ -294,7 +303,8 @@ def build_variants(
     variant is not made for its gates (:class:`NotMade`), as an error where its build failed (:func:`_log_dropped`).
     ``off_hint``: the fix for a variant no round passed while ``cfg.fallback`` is off (random inputs switch it off:
     real data is the fix there). ``required``: a run's precision.required, said beside a variant not made (None:
-    outside a run, where the command's own error names it)."""
+    outside a run, where the command's own error names it). ``qdq_read``: some engine loads the INT8 Q/DQ graph
+    (False: ONNX Runtime CPU engines alone, :func:`~kiln.stages.precision.variants.build_int8`)."""
     if {"int8", "fp8"} & set(wanted):  # the Q/DQ variants keep what calibration.exclude_* name in float
         check_exclusions(src.model, ccfg)
     if "fp16" in wanted:  # a name fp16.fp32_nodes gives that the graph lacks would keep nothing in FP32
@@ -314,7 +324,7 @@ def build_variants(
                 elif precision == "fp8":
                     variants["fp8"] = build_fp8(src, out, ccfg, cfg.fallback, x_val)
                 else:
-                    variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
+                    variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val, qdq_read)
                 unmade = not_made(precision, variants[precision])
                 shapes = uncalibrated(x_val, precision, variants[precision], src.batches)
                 if unmade is None:
@@ -556,6 +566,8 @@ def _why(label: str, fallback: dict[str, Any], outcome: str = "not made") -> str
     failures = "; ".join(fallback.get("failures") or ["?"])
     if "passed" in fallback and quantized_nothing(fallback):  # no graph of that precision to judge: no gate missed
         return f"{label} not made: {failures}"
+    if fallback.get("not_searched"):  # checked once: no engine of the run reads it
+        return f"{label} {outcome}: it misses the gates at round 0 ({failures}); {fallback['not_searched']}"
     if fallback.get("enabled") is False:  # one graph, checked once: no round kept anything in float
         return f"{label} {outcome}: it misses the gates its engines face ({failures}); the accuracy fallback is off"
     return (
@@ -735,7 +747,9 @@ def _log_variant(log: logging.Logger, precision: str, entry: dict[str, Any]) -> 
             ", ".join(list(inside)[:4]) + (", ..." if len(inside) > 4 else ""),
         )
     if entry.get("unmade"):  # the graph at "path" stays in its folder, where kiln build refuses it
-        log.warning(
+        # a Q/DQ graph no engine of the run reads, not searched: said, but nothing the user asked for is missing
+        say = log.info if (entry.get("fallback") or {}).get("not_searched") else log.warning
+        say(
             "%s; its graph is kept for inspection as %s beside variants.json, which lists it unmade: no engine is "
             "built from it",
             entry["unmade"],

@@ -8,7 +8,7 @@ import logging
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -331,28 +331,35 @@ def _fp16_amax(src: Source, cfg: FP16Config, ccfg: CalibrationConfig) -> tuple[d
 
 
 def build_int8(
-    src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig, x_val: Samples | GateCheck
+    src: Source,
+    out: Path,
+    ccfg: CalibrationConfig,
+    fallback: FallbackConfig,
+    x_val: Samples | GateCheck,
+    qdq_read: bool = True,
 ) -> dict[str, Any]:
     """INT8 Q/DQ graph at ``out`` from cached calibration ranges, plus the TensorRT 10 calibration table. A graph
     older than per-channel Q/DQ is quantized from a raised copy (:func:`per_channel_graph`), judged against the
     FP32 graph as it came. Compute nodes inside Loop, Scan and If bodies stay float (:func:`unreached`, listed under
-    ``unreached``); a graph with all of them there is no INT8 variant."""
+    ``unreached``); a graph with all of them there is no INT8 variant. ``qdq_read``: some engine loads the Q/DQ
+    graph (TensorRT, ONNX Runtime CUDA); False where ONNX Runtime CPU engines alone load INT8 graphs, whose own
+    graph is then searched first (:func:`_cpu_first`)."""
     inside = unreached(src.model, quantizable_op_types(ccfg), "int8")
     raised, ccfg = per_channel_graph(src.model, ccfg)
     if raised is None:
-        entry = _build_int8(src, out, ccfg, fallback, as_check(src, x_val))
+        entry = _build_int8(src, out, ccfg, fallback, as_check(src, x_val), qdq_read)
     else:
         with tempfile.TemporaryDirectory(prefix="kiln-int8-") as tmp:
             copy = Source.prepare(
                 raised, Path(tmp) / "model.onnx", src.batches, src.cache_dir, src.logits, src.labelled
             )
-            entry = _build_int8(copy, out, ccfg, fallback, as_check(src, x_val))
+            entry = _build_int8(copy, out, ccfg, fallback, as_check(src, x_val), qdq_read)
         entry["calibration"]["opset"] = PER_CHANNEL_OPSET
     return {**entry, "unreached": inside} if inside else entry
 
 
 def _build_int8(
-    src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig, check: GateCheck
+    src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig, check: GateCheck, qdq_read: bool = True
 ) -> dict[str, Any]:
     ranges = src.ranges(ccfg.method, ccfg)
     base = _kept_before_fallback(src.model, ccfg, ranges)
@@ -364,7 +371,15 @@ def _build_int8(
 
     ops = set(quantizable_op_types(ccfg))
     candidates = {n.name for n in src.model.graph.node if n.op_type in ops} - set(base)
-    res = _in_precision(run_fallback(build, check, "int8", fallback, candidates, "int8"), out, "int8")
+    cpu_candidates = candidates | (dynamic_nodes(src.model, ccfg, src.flops) - set(base))  # its LSTMs, where dynamic
+    ort_out = out.with_name("model.ort_cpu.onnx")
+    with_cpu = ccfg.ort_cpu_graph and ccfg.activation_type == "int8"
+    ort: dict[str, Any] | None = None
+    searched = True
+    if with_cpu and not qdq_read:
+        res, ort, searched = _cpu_first(build, src, out, ccfg, fallback, check, base, candidates, cpu_candidates)
+    else:
+        res = _in_precision(run_fallback(build, check, "int8", fallback, candidates, "int8"), out, "int8")
     entry = _entry(
         out,
         base | res.kept,
@@ -381,15 +396,14 @@ def _build_int8(
             }
         },
     )
-    if ccfg.ort_cpu_graph and ccfg.activation_type == "int8":
-        ort_out = out.with_name("model.ort_cpu.onnx")
+    if not searched:
+        entry["fallback"]["not_searched"] = NOT_SEARCHED
+    if with_cpu:
         # from the nodes the Q/DQ graph kept in float where it passed; from the base alone where it did not (its
         # fallback may have kept every node, and this graph, of another scheme, may need none of them)
         inherited = {n: f"kept in the Q/DQ graph ({why})" for n, why in res.kept.items()} if res.passed else {}
-        cpu_candidates = candidates | (
-            dynamic_nodes(src.model, ccfg, src.flops) - set(base)
-        )  # its LSTMs, where dynamic
-        ort = ort_cpu_graph(src, ort_out, ccfg, fallback, check, base, inherited, cpu_candidates)
+        if ort is None:
+            ort = ort_cpu_graph(src, ort_out, ccfg, fallback, check, base, inherited, cpu_candidates)
         if quantized_nothing(ort["fallback"]):
             _no_ort_cpu_graph(entry, ort_out, ort)
         else:
@@ -400,6 +414,40 @@ def _build_int8(
         table = write_trt_table(ranges.amax(), out.parent / "calibration.cache")
         entry["trt_calibration_table"] = table.name
     return entry
+
+
+# why the Q/DQ graph is checked once, not searched, where ONNX Runtime CPU engines alone load INT8 graphs
+NOT_SEARCHED = "not searched: no engine of this run reads the Q/DQ graph (ONNX Runtime CPU engines load their own)"
+
+
+def _cpu_first(
+    build: Callable[[set[str]], Path],
+    src: Source,
+    out: Path,
+    ccfg: CalibrationConfig,
+    fallback: FallbackConfig,
+    check: GateCheck,
+    base: dict[str, str],
+    candidates: set[str],
+    cpu_candidates: set[str],
+) -> tuple[FallbackResult, dict[str, Any], bool]:
+    """Where ONNX Runtime CPU engines alone load INT8 graphs: the Q/DQ graph checked once (round 0), then the ONNX
+    Runtime CPU graph through its own fallback from the configuration's nodes (``base``). The Q/DQ graph is
+    searched only where that graph misses its gates, quantizes nothing or leaves under :data:`MIN_SHARE` of its
+    FLOPs in int8 (at the check's sizes), for its engines then load the Q/DQ graph; else a Q/DQ graph that missed
+    at round 0 is recorded as not searched (:data:`NOT_SEARCHED`): a search whose graph no engine of the run reads
+    costs as many rounds as the one that matters. Returns the Q/DQ graph's result, the ONNX Runtime CPU graph's
+    record and whether the Q/DQ graph was searched."""
+    ort_out = out.with_name("model.ort_cpu.onnx")
+    once = fallback.model_copy(update={"max_rounds": 0})
+    res = _in_precision(run_fallback(build, check, "int8", once, candidates, "int8"), out, "int8")
+    ort = ort_cpu_graph(src, ort_out, ccfg, fallback, check, base, {}, cpu_candidates)
+    if res.passed:
+        return res, ort, True
+    if ort["fallback"]["passed"] and _int8_share(ort_out, _sample_sizes(src.model, check.samples)) >= MIN_SHARE:
+        return res, ort, False  # the stage says it, as the variant's unmade Q/DQ graph
+    log.info("int8: ONNX Runtime CPU's own graph is not made: searching the Q/DQ graph, which its engines then load")
+    return _in_precision(run_fallback(build, check, "int8", fallback, candidates, "int8"), out, "int8"), ort, True
 
 
 def _no_ort_cpu_graph(entry: dict[str, Any], path: Path, ort: dict[str, Any]) -> None:
