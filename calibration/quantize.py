@@ -130,23 +130,52 @@ def check_exclusions(model: onnx.ModelProto, cfg: CalibrationConfig) -> None:
         )
 
 
-def unbounded_nodes(model: onnx.ModelProto, ranges: Ranges) -> dict[str, str]:
-    """Nodes that write or read a tensor whose calibrated range is not finite (:meth:`Ranges.unbounded`), each with
-    the reason it stays in float: a quantized node there would turn the infinity into a NaN scale."""
-    unbounded = set(ranges.unbounded())
+UNREACHED = (
+    "no calibration sample reached it (a routed branch, e.g. an MoE expert, that none of the calibration data takes): "
+    "kept in float"
+)
+
+
+def unbounded_nodes(model: onnx.ModelProto, ranges: Ranges, *, warn: bool = True) -> dict[str, str]:
+    """Nodes that write or read a tensor with no calibrated scale, each with the reason it stays in float: a range
+    that is not finite (:meth:`Ranges.unbounded`; a quantized node there would turn the infinity into a NaN scale)
+    or a tensor no calibration batch held a value of (:meth:`Ranges.unreached`). ``warn``: say the unreached nodes
+    in one warning (the precision stage asks once per variant; the quantizers, called each fallback round, not)."""
+    unbounded, unreached = set(ranges.unbounded()), set(ranges.unreached())
     out: dict[str, str] = {}
     for node in model.graph.node:
-        hit = next((t for t in [*node.output, *node.input] if t in unbounded), None)
+        tensors = [*node.output, *node.input]
+        hit = next((t for t in tensors if t in unbounded), None)
         if hit is not None:
             out[node.name] = f"'{hit}' is not finite on calibration data (no INT8/FP8 scale holds it)"
+        elif any(t in unreached for t in tensors):
+            out[node.name] = UNREACHED
+    if warn:
+        warn_unreached([n for n, why in out.items() if why == UNREACHED])
     return out
 
 
+def warn_unreached(nodes: list[str]) -> None:
+    """One warning naming the nodes no calibration sample reached: their float fallback is right, but the data
+    leaves a branch of the model untested by calibration, which the user should know."""
+    if nodes:
+        more = f" and {len(nodes) - 4} more" if len(nodes) > 4 else ""
+        log.warning(
+            "no calibration sample reached %d nodes (%s%s): a routed branch, e.g. an MoE expert, that none of the "
+            "calibration data takes; with no INT8/FP8 scale they are kept in float; fix: calibrate on data that "
+            "takes every branch of the model (--calibration, data.name)",
+            len(nodes),
+            ", ".join(nodes[:4]),
+            more,
+        )
+
+
 def unbounded_quietly(ranges: Ranges) -> AbstractContextManager[Any]:
-    """numpy's division and cast warnings silenced where ``ranges`` hold tensors that are not finite: ORT's
-    quantizer computes a scale for every tensor of the cache, theirs too (NaN), and their nodes stay in float
-    (:func:`unbounded_nodes`), so the warnings name nothing wrong (the log counts those tensors instead)."""
-    return np.errstate(divide="ignore", invalid="ignore") if ranges.unbounded() else nullcontext()
+    """numpy's division and cast warnings silenced where ``ranges`` hold tensors without a scale (not finite, or no
+    value held): ORT's quantizer computes a scale for every tensor of the cache, theirs too (NaN), and their nodes
+    stay in float (:func:`unbounded_nodes`), so the warnings name nothing wrong (the log counts those tensors)."""
+    quiet = ranges.unbounded() or ranges.unreached()
+    return np.errstate(divide="ignore", invalid="ignore") if quiet else nullcontext()
 
 
 def quantizable_op_types(cfg: CalibrationConfig) -> list[str]:
@@ -239,7 +268,7 @@ def quantize_int8(
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     model = onnx.load(str(model_path), load_external_data=False)
-    exclude = excluded_nodes(model, cfg, [*extra_exclude, *unbounded_nodes(model, ranges)])
+    exclude = excluded_nodes(model, cfg, [*extra_exclude, *unbounded_nodes(model, ranges, warn=False)])
     seven_bits = resolve_reduce_range(cfg.reduce_range)
     if "calibration_cache_path" not in inspect.signature(quantize_static).parameters:
         # ORT < 1.32 has no cache argument; it would need a reader and calibrate again
@@ -385,7 +414,7 @@ def quantize_fp8(
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     model = onnx.load(str(model_path))
-    exclude = excluded_nodes(model, cfg, [*extra_exclude, *unbounded_nodes(model, ranges)])
+    exclude = excluded_nodes(model, cfg, [*extra_exclude, *unbounded_nodes(model, ranges, warn=False)])
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), FP8_OPSET)
     if opset < FP8_OPSET:
         model = version_converter.convert_version(model, FP8_OPSET)

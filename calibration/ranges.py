@@ -47,7 +47,7 @@ class Ranges:
 
     def amax(self) -> dict[str, float]:
         """Largest magnitude seen per tensor (what a symmetric INT8 scale and an FP16 range check need); infinite
-        for a tensor that is not finite (:meth:`unbounded`)."""
+        for a tensor that is not finite (:meth:`unbounded`) or that held no value (:meth:`unreached`): no scale."""
         out = {}
         for name, td in self.tensors.items():
             lo, hi = td.range_value
@@ -58,8 +58,16 @@ class Ranges:
     def unbounded(self) -> list[str]:
         """Tensors whose calibrated range is not finite: a graph may hold infinities on purpose (T5's relative
         position buckets take the log of 0, a mask adds -inf before a softmax), and no scale holds them, so the
-        nodes that write or read them stay in float (:func:`kiln.calibration.quantize.unbounded_nodes`)."""
-        return sorted(name for name, td in self.tensors.items() if not _finite(td.range_value))
+        nodes that write or read them stay in float (:func:`kiln.calibration.quantize.unbounded_nodes`). Tensors
+        that held no value at all are :meth:`unreached`, not these."""
+        return sorted(
+            name for name, td in self.tensors.items() if not _finite(td.range_value) and not _empty(td.range_value)
+        )
+
+    def unreached(self) -> list[str]:
+        """Tensors empty in every calibration batch (a routed branch, such as an MoE expert, that no sample takes):
+        their range is the empty one, (+inf, -inf), so nothing gives them a scale and their nodes stay in float."""
+        return sorted(name for name, td in self.tensors.items() if _empty(td.range_value))
 
 
 @contextmanager
@@ -121,6 +129,7 @@ def calibrate(
             "method": method,
             "settings": settings,
             "ort": onnxruntime.__version__,
+            "empty": "kept",  # a tensor no batch held a value of keeps its empty range (Ranges.unreached)
         }
     )
     if cache_dir is None:  # no cache: the ranges live in memory only, nothing is written
@@ -166,7 +175,10 @@ def check_ranges(tensors: Any, model_path: Path) -> None:
     hint = "calibrate on real, varied samples of the inputs the model will see (--calibration, data.name)"
     graph = onnx.load(str(model_path), load_external_data=False).graph
     inputs = {i.name for i in graph.input}
-    broken = sorted(n for n, pair in bounds.items() if not _finite(pair))
+    broken = sorted(n for n, pair in bounds.items() if not _finite(pair) and not _empty(pair))
+    empty = sorted(n for n, pair in bounds.items() if _empty(pair))
+    if empty:  # a routed branch no sample takes: Ranges.unreached, kept in float and warned of per variant
+        log.info("%d tensors hold no value in any calibration batch; their nodes stay in float", len(empty))
     if any(n in inputs for n in broken) or bounds and len(broken) == len(bounds):
         where = [n for n in broken if n in inputs] or broken
         raise InputError(
@@ -190,12 +202,35 @@ def _finite(pair: Any) -> bool:
     return all(np.isfinite(np.asarray(v, dtype=np.float64)).all() for v in pair)
 
 
+def _empty(pair: Any) -> bool:
+    """Whether a range is the empty one, (+inf, -inf): the min and max of no values (ONNX's ReduceMin and ReduceMax
+    of an empty tensor), which a tensor keeps only if it held no value in any batch."""
+    lo, hi = (np.asarray(v, dtype=np.float64) for v in pair)
+    return bool(np.all(lo == np.inf) and np.all(hi == -np.inf))
+
+
+def _symmetric(tensors: Any) -> Any:
+    """ORT's symmetric minmax ranges, (-amax, amax), from its asymmetric ones, the empty range kept as it is: ORT's
+    own symmetric pass makes that (-inf, inf), which cannot be told from a tensor that is infinite."""
+    from onnxruntime.quantization.calibrate import TensorData, TensorsData
+
+    data = {}
+    for name, td in tensors.data.items():
+        lo, hi = td.range_value
+        if not _empty((lo, hi)):
+            amax = np.nanmax([np.abs(lo), np.abs(hi)], axis=0)  # as ORT's MinMaxCalibrater.compute_data
+            lo, hi = -amax, amax
+        data[name] = TensorData(lowest=lo, highest=hi)
+    return TensorsData(tensors.calibration_method, data)
+
+
 def _run_calibrator(
     model_path: Path, batches: list[np.ndarray], input_name: str, method: str, symmetric: bool, percentile: float
 ) -> Any:
     from onnxruntime.quantization import create_calibrator
 
-    extra: dict[str, Any] = {"symmetric": symmetric}
+    # minmax: asymmetric ranges made symmetric here (_symmetric), so a tensor that held no value keeps its empty range
+    extra: dict[str, Any] = {"symmetric": symmetric and method != "minmax"}
     if method == "percentile":
         extra["percentile"] = percentile
     if method == "entropy":
@@ -211,6 +246,8 @@ def _run_calibrator(
             use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
         )
         tensors = _collect(calibrator, ArrayReader(input_name, batches), method)
+    if method == "minmax" and symmetric:
+        tensors = _symmetric(tensors)
     STATS["calibrations"] += 1
     log.info("calibrated %d tensors with %s over %d batches", len(tensors.data), method, len(batches))
     return tensors
@@ -256,7 +293,9 @@ class _FiniteHistograms:
     in that place is the one hook there is, short of reimplementing the collection loop. Its tensors holding a
     non-finite value are set aside with the range of the values seen (NaN ignored, as minmax's ``np.nanmin``). The
     others reach ORT as one flat array each: its ``collect_value`` stacks a tensor's batches with ``np.asarray``,
-    which fails on batches of different sizes (the data's own and those of other validated shapes)."""
+    which fails on batches of different sizes (the data's own and those of other validated shapes). An empty batch
+    of a tensor is left out (ORT would histogram it as zeros); a tensor empty in every batch gets the empty range,
+    (+inf, -inf), as minmax gives it (:meth:`Ranges.unreached`)."""
 
     def __init__(self, calibrator: Any) -> None:
         from onnxruntime.quantization.calibrate import HistogramCollector
@@ -270,6 +309,8 @@ class _FiniteHistograms:
             scenario=calibrator.scenario,
         )
         self.aside: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.reached: set[str] = set()
+        self.empty: dict[str, Any] = {}  # tensor name -> dtype, for the tensors no batch has held a value of yet
 
     def collect(self, name_to_arr: dict[str, Any]) -> None:
         """Histogram the tensors whose every value is finite (their batches as one flat array: ORT flattens them
@@ -277,6 +318,12 @@ class _FiniteHistograms:
         finite = {}
         for name, arrays in name_to_arr.items():
             flat = np.concatenate([np.ravel(a) for a in (arrays if isinstance(arrays, list) else [arrays])])
+            if flat.size == 0:
+                if name not in self.reached:
+                    self.empty[name] = flat.dtype
+                continue
+            self.reached.add(name)
+            self.empty.pop(name, None)
             if np.isfinite(flat).all():
                 finite[name] = flat
                 continue
@@ -298,11 +345,16 @@ class _FiniteHistograms:
         return self.collector.compute_collection_result()
 
     def with_unbounded(self, tensors: Any) -> Any:
-        """``tensors`` (ORT ``TensorsData``, None where no tensor was finite) plus the ranges set aside."""
+        """``tensors`` (ORT ``TensorsData``, None where no tensor was finite) plus the ranges set aside and the empty
+        range of each tensor that held no value."""
         from onnxruntime.quantization.calibrate import TensorData, TensorsData
 
         data = {} if tensors is None else dict(tensors.data)
         data |= {name: TensorData(lowest=lo, highest=hi) for name, (lo, hi) in self.aside.items()}
+        data |= {
+            name: TensorData(lowest=np.array(np.inf, dtype), highest=np.array(-np.inf, dtype))
+            for name, dtype in self.empty.items()
+        }
         return TensorsData(_ort_method(self.collector.method), data)
 
 

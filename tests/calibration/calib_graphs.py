@@ -1,4 +1,5 @@
-"""A tiny Conv -> Relu -> pool -> MatMul -> Gemm classifier built in code for the calibration tests."""
+"""Tiny graphs built in code for the calibration tests: a Conv -> Relu -> pool -> MatMul -> Gemm classifier, a
+routed graph (a masked infinite tensor beside a branch no sample takes) and an x -> y helper."""
 
 from __future__ import annotations
 
@@ -59,3 +60,51 @@ def save_x_to_y(path: Path, nodes: list[onnx.NodeProto], inits: list[onnx.Tensor
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     return path
+
+
+def routed_onnx(path: Path) -> Path:
+    """x [batch, 4] -> MatMul -> logits; Where(mask, logits, -inf) -> y (infinite where masked); the rows whose
+    largest value passes 1e6 (none of the data's) -> Compress -> routed -> MatMul -> expert -> z: an MoE expert that
+    no token is sent to."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["logits"], name="matmul"),
+        helper.make_node("Where", ["mask", "logits", "fill"], ["y"], name="mask"),
+        helper.make_node("ReduceMax", ["x", "axes"], ["rowmax"], name="rowmax", keepdims=0),
+        helper.make_node("Greater", ["rowmax", "limit"], ["routes"], name="route"),
+        helper.make_node("Compress", ["logits", "routes"], ["routed"], name="gather_rows", axis=0),
+        helper.make_node("MatMul", ["routed", "w2"], ["expert"], name="expert"),
+        helper.make_node("Relu", ["expert"], ["z"], name="expert_act"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "routed",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+            helper.make_tensor_value_info("mask", TensorProto.BOOL, ["batch", 3]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, ["rows", 3]),
+        ],
+        [
+            numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w"),
+            numpy_helper.from_array(rng.standard_normal((3, 3)).astype(np.float32), "w2"),
+            numpy_helper.from_array(np.array(-np.inf, np.float32), "fill"),
+            numpy_helper.from_array(np.array([1], np.int64), "axes"),
+            numpy_helper.from_array(np.array(1e6, np.float32), "limit"),
+        ],
+    )
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    return path
+
+
+def routed_batches(n: int = 3) -> list[dict[str, np.ndarray]]:
+    """``n`` batches of 16 rows, some actions masked (``y`` infinite there), no row routed to the expert."""
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(n):
+        mask = rng.random((16, 3)) < 0.67
+        mask[np.arange(16), rng.integers(0, 3, 16)] = True
+        out.append({"x": rng.standard_normal((16, 4)).astype(np.float32), "mask": mask})
+    return out

@@ -13,9 +13,17 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.calibration.config import DEFAULT_OP_TYPES, CalibrationConfig
-from kiln.calibration.quantize import dynamic_op_types, int8_tables, quantize_int8, quantize_int8_dynamic
+from kiln.calibration.quantize import (
+    UNREACHED,
+    dynamic_op_types,
+    int8_tables,
+    quantize_int8,
+    quantize_int8_dynamic,
+    unbounded_nodes,
+)
 from kiln.calibration.ranges import calibrate
 from kiln.core.onnx_io import ort_session
+from tests.calibration.calib_graphs import routed_batches, routed_onnx
 
 WITH_GATHER = CalibrationConfig(op_types=[*DEFAULT_OP_TYPES, "Gather"])
 
@@ -122,3 +130,26 @@ def test_quantizing_leaves_the_root_loggers_handlers_as_they_were(
     else:
         quantize_int8_dynamic(src, tmp_path / "q.onnx", CalibrationConfig())
     assert logging.getLogger().handlers == []
+
+
+def test_unreached_nodes_are_kept_in_float_for_their_own_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A routed branch no calibration sample takes is not "not finite": its nodes stay in float with their own reason,
+    said in one warning naming them; an infinite tensor's nodes keep theirs."""
+    path = routed_onnx(tmp_path / "m.onnx")
+    ranges = calibrate(path, routed_batches(), "x", "minmax", cache_dir=None)
+    model = onnx.load(str(path))
+    with caplog.at_level(logging.INFO, logger="kiln.calibration"):
+        kept = unbounded_nodes(model, ranges)
+        quantize_int8(path, tmp_path / "q.onnx", ranges, CalibrationConfig(), kept)
+    assert kept["mask"] == "'y' is not finite on calibration data (no INT8/FP8 scale holds it)", kept
+    assert kept["gather_rows"] == kept["expert"] == kept["expert_act"] == UNREACHED, kept
+    assert "no calibration sample reached it" in UNREACHED and "matmul" not in kept
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "reached 3 nodes (gather_rows, expert, expert_act)" in warned[0], warned
+    assert "fix: calibrate on data that takes every branch" in warned[0]
+    graph = onnx.load(str(tmp_path / "q.onnx")).graph
+    quantized = {n.input[0] for n in graph.node if n.op_type == "DequantizeLinear"}
+    assert not any(t.startswith(("routed", "expert")) for t in quantized), quantized  # the branch stays float
+    assert any(n.op_type == "DequantizeLinear" for n in graph.node)  # the reached MatMul is INT8
