@@ -187,17 +187,42 @@ class CompiledModel:
         )
         self.fallback, self.forward = reason, self.eager
 
-    def summary(self) -> dict[str, Any] | None:
-        """For the training summary: settings, outcome, and what Dynamo compiled during the run."""
+    def summary(self, run_s: float | None = None) -> dict[str, Any] | None:
+        """For the training summary: settings, outcome, and what Dynamo compiled during the run; with ``run_s``
+        (the wall time of the training loop, compiling included) also whether compiling paid (:func:`compile_paid`).
+        """
         if self.options is None:
             return None
-        return {
+        out = {
             **self.options.model_dump(),
             "compiled": self.compiled,
             "fallback": self.fallback,
             "eager_calls": self.eager_calls,
             **CompileCounts.now().since(self.before),
         }
+        if run_s is not None and self.compiled:
+            out["after_compile_s"] = round(max(run_s - out["compile_s"], 0.0), 2)
+            out["paid"] = compile_paid(out["compile_s"], out["after_compile_s"])
+        return out
+
+
+def compile_paid(compile_s: float, after_compile_s: float) -> bool:
+    """Whether compiling can have paid in this run: not when it took longer than all the training after it, which
+    the faster kernels would have had to speed up by more than twice (an eager run of the same length has no
+    compile time to win back). A run holds no eager reference to compare samples/s with, so this is the test."""
+    return compile_s <= after_compile_s
+
+
+def unpaid_warning(summary: dict[str, Any], device: str) -> str | None:
+    """The warning for a compiled run whose compile time did not pay (:func:`compile_paid`), None otherwise: the
+    numbers of the run, and the setting that turns compiling off."""
+    if summary.get("paid", True):
+        return None
+    where = "on this CPU it did not pay" if device.startswith("cpu") else "in a run this short it did not pay"
+    return (
+        f"train.compile took {summary['compile_s']:.0f} s to compile and training ran {summary['after_compile_s']:.0f} "
+        f"s after it: {where}; set train.compile: false"
+    )
 
 
 Signature = tuple[tuple[tuple[int, ...], torch.dtype] | None, ...]

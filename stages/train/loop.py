@@ -36,7 +36,7 @@ from kiln.core.user_errors import running_user_code
 from kiln.models.model_io import load_weights
 from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train import update_graph
-from kiln.stages.train.compile import CompiledModel
+from kiln.stages.train.compile import CompiledModel, unpaid_warning
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.data import local_batch_size, make_loader, micro_batches
 from kiln.stages.train.dist import DistEnv, all_sum, env_from_torchrun, unused_parameters_error, wrap_ddp
@@ -393,12 +393,13 @@ class _Trainer:
             if self.ckpt_dir is not None and self.env.is_main and found != self.ckpt_dir / ckpt.BEST:
                 ckpt.copy_file(found, self.ckpt_dir / ckpt.BEST)
             return
-        log.warning(
-            "the best weights of the resumed run (epoch %s) are not in %s; select: best now chooses "
-            "among the epochs trained from here on",
-            self.result.best_epoch,
-            path.parent / ckpt.BEST,
-        )
+        if self.cfg.checkpoint.select == "best":  # with select: last the best weights are never loaded
+            log.warning(
+                "the best weights of the resumed run (epoch %s) are not in %s; select: best now chooses "
+                "among the epochs trained from here on",
+                self.result.best_epoch,
+                path.parent / ckpt.BEST,
+            )
         self.result.best_epoch = self.result.best_val_accuracy = self.best_digest = None
         self.result.best_val_loss = self.result.best_by = None
 
@@ -488,19 +489,24 @@ class _Trainer:
         with warnings.catch_warnings(), progress.task("training", total=self.cfg.epochs) as bar:
             warnings.filterwarnings("ignore", message=SCHED_WARNING)
             bar.advance(self.epoch)
+            t0 = time.perf_counter()  # the loop's wall time, compiling included: did train.compile pay?
             while self.epoch < self.cfg.epochs:
                 m = self._epoch(prof)
                 note = f"loss {m.loss:.3f}" + (f" acc {m.val_accuracy:.3f}" if m.val_accuracy is not None else "")
                 bar.advance(1, note=note)
+            run_s = time.perf_counter() - t0
         self._say_most_skipped()
         if self.finished:  # its last.pt stays as it is; last.json records the settings it now stands for
             self._save_info(complete=True)
         else:
             self._save(complete=True)
         r = self.result
-        r.compile = self.net.summary()
+        r.compile = self.net.summary(run_s)
         if r.compile is not None:
             log.info("torch.compile: %s", _compile_note(r.compile))
+            unpaid = unpaid_warning(r.compile, str(self.device))
+            if unpaid and self.env.is_main:
+                log.warning("%s", unpaid)
         if isinstance(self.update, update_graph.GraphedUpdate):
             r.update_graph = self.update.summary()
         r.selected_epoch = r.history[-1].epoch if r.history else None

@@ -25,11 +25,12 @@ def report_section(train: Any) -> list[str]:
         "",
         "## Training",
         "",
-        f"{train.precision} on {train.device}, {train.steps} steps: training loss {fmt(train.final_loss)} in the last "
-        f"epoch; {_weights_of(train)}{score}"
+        f"{train.precision} on {train.device}{_processes(train)}, {train.steps} steps{_rate(train)}: training loss "
+        f"{fmt(train.final_loss)} in the last epoch; {_weights_of(train)}{score}"
         + (f", {train.skipped_steps} overflow-skipped steps" if train.skipped_steps else "")
         + _compile_note(train.compile)
         + _graph_note(train.update_graph)
+        + _resumed(train)
         + ".",
     ]
     if warned:  # what the data checks said before training: the accuracy of the report is read with it
@@ -37,6 +38,24 @@ def report_section(train: Any) -> list[str]:
     if "loss.png" in train.files:
         out += ["", "![loss curve](train/loss.png)"]
     return out
+
+
+def _processes(train: Any) -> str:
+    """ " on N processes" for a multi-process (DDP) run, nothing for one process."""
+    return f" on {train.world_size} processes" if (train.world_size or 1) > 1 else ""
+
+
+def _rate(train: Any) -> str:
+    """The last epoch's training throughput over all processes (validation excluded), in parentheses."""
+    rate = train.samples_per_s
+    if rate is None or rate <= 0:
+        return ""
+    return f" ({rate:,.0f} samples/s in the last epoch)" if rate >= 10 else f" ({rate:.2g} samples/s in the last epoch)"
+
+
+def _resumed(train: Any) -> str:
+    """The checkpoint training continued from, where it resumed one (the step is in the log and in last.pt)."""
+    return f"; resumed from {train.resumed_from}" if train.resumed_from else ""
 
 
 def _weights_of(train: Any) -> str:
