@@ -240,9 +240,12 @@ def _eps(t: torch.Tensor) -> float:
     return 4 * torch.finfo(t.dtype).eps
 
 
-def _wrapper(fn: LossFn, read: str) -> str:
-    """A function of the user's that adapts loss ``fn`` to train.loss's call, reading the output ``read``."""
-    return f"def loss(outputs, targets): return {getattr(fn, '__name__', 'fn')}({read}, targets)"
+def _wrapper(fn: LossFn, read: str, targets: str = "targets") -> str:
+    """A function of the user's that adapts loss ``fn`` to train.loss's call, reading the output ``read`` and the
+    targets as ``targets``. Its name is never ``fn``'s own (``wrapped_<name>``): a wrapper named like the function it
+    calls, pasted beside it, would shadow it and call itself forever."""
+    name = getattr(fn, "__name__", "fn")
+    return f"def wrapped_{name}(outputs, targets): return {name}({read}, {targets}) (named in train.loss)"
 
 
 def binary_loss(logit: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -650,14 +653,14 @@ def _loss_fix(task: Task, out: Any, y: torch.Tensor, exc: BaseException) -> str:
     loss reads (``outputs['logits']``), where that is another call than the one that failed."""
     assert task.user_loss is not None
     read, pred = _read_output(task, out)
-    fixed = _targets_fix(task.user_loss, read, pred, y, exc)
+    fixed = _index_column_fix(task.user_loss, read, y, exc) or _targets_fix(task.user_loss, read, pred, y, exc)
     if fixed is not None:
         return fixed
     said = (
         "train.loss takes (outputs, targets), the model's outputs as forward returns them, and returns a scalar "
         "tensor: name a function that does"
     )
-    if read == "outputs":  # a wrapper would make the same call that failed
+    if read == "outputs" or not _misread_outputs(exc):  # a wrapper would make the same call, or not help
         return said
     return f"{said}, or wrap this one in a function of your own: {_wrapper(task.user_loss, read)}"
 
@@ -676,6 +679,34 @@ def _read_output(task: Task, out: Any) -> tuple[str, Any]:
     if isinstance(out, (tuple, list)):
         return "outputs[0]", out[0] if out else None
     return "outputs", out
+
+
+def _misread_outputs(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a loss raises reading outputs of another form than it expects (a dict's key, a
+    tuple's item, a tensor's attribute): the errors a wrapper passing it one output can cure. An error from torch's
+    ops (RuntimeError, ValueError) says it got tensors, and a wrapper would only hide the cause."""
+    return isinstance(exc, (TypeError, AttributeError, IndexError, KeyError))
+
+
+# What torch's classification losses (cross_entropy, nll_loss) raise given class indices with a column axis, [N, 1]
+INDEX_COLUMN = re.compile(r"0D or 1D target tensor expected|multi-target not supported")
+
+
+def _index_column_fix(fn: LossFn, read: str, y: torch.Tensor, exc: BaseException) -> str | None:
+    """The fix for a loss that failed on integer class labels of shape ``[N, 1]`` where torch's classification
+    losses take one index a row, ``[N]``: labels ``y[:, 0]`` from the data function, or the targets squeezed in the
+    call. None where that is not what failed."""
+    if y.is_floating_point() or y.ndim != 2 or y.shape[1] != 1 or not INDEX_COLUMN.search(str(exc)):
+        return None
+    call = (
+        f"name a function of your own in train.loss: {_wrapper(fn, read, 'targets.squeeze(1)')}"
+        if from_torch(fn)
+        else f"pass targets.squeeze(1) to the loss in {getattr(fn, '__name__', 'fn')}()"
+    )
+    return (
+        "the labels are class indices of shape [N, 1], but torch's classification losses take "
+        f"one index a row, [N]: return labels y[:, 0] from the data function, or {call}"
+    )
 
 
 # What a loss raises where the targets are not shaped like the output it reads (binary_cross_entropy_with_logits'
@@ -705,7 +736,7 @@ def _targets_fix(fn: LossFn, read: str, pred: Any, y: torch.Tensor, exc: BaseExc
     )
     name = getattr(fn, "__name__", "fn")
     call = (
-        f"wrap it in a function of your own: def loss(outputs, targets): return {name}({read}, {adapt})"
+        f"wrap it in a function of your own: {_wrapper(fn, read, adapt)}"
         if from_torch(fn)
         else f"pass {adapt} to the loss in {name}()"
     )

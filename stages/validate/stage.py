@@ -765,17 +765,59 @@ def no_class_logits(names: list[str], ref: Reference, data: DatasetSplits) -> st
     """Why no output of ``names`` is held as class logits on labelled data with classes, for the report: the
     outputs' names say none is (several, none ``logits``; one named as features), or the default one's class axis
     is not the data's classes wide (:func:`kiln.stages.accuracy.check.top1_output`)."""
-    fix = "signature.logits_output names the class-logit output"
+    return f"{_why_no_class_logits(names, ref, data)}: signature.logits_output names the class-logit output"
+
+
+def _why_no_class_logits(names: list[str], ref: Reference, data: DatasetSplits) -> str:
+    """:func:`no_class_logits`'s reason, without its fix."""
     if len(names) > 1 and SINGLE_OUTPUT not in names:
-        return f"{len(names)} outputs ({', '.join(names)}), none named '{SINGLE_OUTPUT}': {fix}"
+        return f"{len(names)} outputs ({', '.join(names)}), none named '{SINGLE_OUTPUT}'"
     if len(names) == 1 and FEATURE_NAMES.search(names[0]):
-        return f"the only output, '{names[0]}', is named as features: {fix}"
+        return f"the only output, '{names[0]}', is named as features"
     chosen = logits_name(names, None) if names else None
     output = ref.outputs[-1].get(chosen) if chosen else None
     if output is not None and output.ndim >= 2 and data.num_classes:
         width = output.shape[class_axis(output.ndim)]
-        return f"output '{chosen}' has {width} entries on its class axis, the data {data.num_classes} classes: {fix}"
-    return f"no output is held as class logits: {fix}"
+        return f"output '{chosen}' has {width} entries on its class axis, the data {data.num_classes} classes"
+    return "no output is held as class logits"
+
+
+def class_axis_outputs(ref: Reference, data: DatasetSplits) -> list[str]:
+    """The reference's float outputs with a batch axis (none of its 0-D ``scalars``) and a class axis of
+    ``num_classes`` entries: where exactly one is, the class-logit output to name (a ``(logits, aux_loss)`` tuple's
+    ``output_0`` beside its 0-D loss)."""
+    if not data.num_classes or not getattr(ref, "outputs", None):
+        return []
+    scalars = set(getattr(ref, "scalars", ()))
+    return [
+        name
+        for name, v in ref.outputs[-1].items()
+        if name not in scalars
+        and np.ndim(v) >= 2
+        and v.dtype.kind == "f"
+        and v.shape[class_axis(v.ndim)] == data.num_classes
+    ]
+
+
+def say_no_class_logits(log: logging.Logger, ref: Reference, data: DatasetSplits) -> bool:
+    """Warn, where the data has class labels but no output is held as class logits, that no top-1 agreement or
+    accuracy gates the engines (a gate weakened without a word on stderr otherwise), with the output to name where
+    one alone has a class axis of ``num_classes`` entries. Whether it warned."""
+    if ref.logits is not None or data.val_y is None or not data.classification:
+        return False
+    names = list(ref.outputs[-1]) if getattr(ref, "outputs", None) else []
+    fit = class_axis_outputs(ref, data)
+    fix = (
+        f"set signature.logits_output: {fit[0]}, the one output whose class axis holds the {data.num_classes} classes"
+        if len(fit) == 1
+        else "set signature.logits_output to the class-logit output"
+    )
+    log.warning(
+        "no top-1 agreement or task accuracy gates the engines, only error and cosine per output: %s; %s",
+        _why_no_class_logits(names, ref, data),
+        fix,
+    )
+    return True
 
 
 def scored_positions(ref: Reference, labelled: np.ndarray | None) -> int | None:
@@ -844,7 +886,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
             metric_default=baseline.metric_default,
             metric_scale=baseline.metric_scale,
         )
-    if ref.logits is None:
+    if ref.logits is None and not say_no_class_logits(ctx.log, ref, data):
         ctx.log.info(
             "no class-logit output among %s: engines compared by error and cosine per output (the whole output's "
             "and its worst sample's), without top-1 agreement or accuracy (class logits: the output "

@@ -10,6 +10,7 @@ from torch import nn
 
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, ModelError
+from kiln.core.user_errors import UserCodeError
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.loop import train
 from kiln.stages.train.task import Task, check_task, task_for
@@ -128,3 +129,55 @@ def test_positions_that_do_not_fit_leave_out_num_classes_where_the_head_already_
     with pytest.raises(ModelError) as err:
         check_task(Task("classification"), torch.zeros(2, 6, 7), torch.zeros(2, 3, dtype=torch.long), 9, "m")
     assert "set its num_classes to the dataset's" in err.value.hint
+
+
+def _tuple_classifier(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A classifier's (logits, aux loss) pair of outputs: four class logits a row and a 0-D auxiliary loss."""
+    return x[:, :4], x.sum()
+
+
+def loss(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """A user loss named ``loss`` (a common name) reading the tuple as forward returns it."""
+    logits, aux = outputs
+    return nn.functional.cross_entropy(logits, targets) + 0.01 * aux
+
+
+def test_class_indices_of_shape_n_by_1_are_told_to_drop_the_column() -> None:
+    """cross_entropy's '0D or 1D target tensor expected' on [N, 1] labels was answered with a wrapper named like the
+    user's ``loss``, which called itself, and passed one tensor to a loss reading the tuple."""
+    out, y = _tuple_classifier(torch.randn(2, 6)), torch.tensor([[0], [3]])
+    with pytest.raises(UserCodeError, match="0D or 1D target tensor expected") as err:
+        check_task(Task("classification", None, loss), out, y, 4, "m")
+    hint = err.value.hint
+    assert "class indices of shape [N, 1]" in hint and "return labels y[:, 0] from the data function" in hint, hint
+    assert "pass targets.squeeze(1) to the loss in loss()" in hint, hint
+    assert "def loss(" not in hint, hint
+
+
+def test_a_torch_loss_on_n_by_1_class_indices_is_shown_a_wrapper_of_another_name() -> None:
+    """train.loss naming torch's cross_entropy itself: the wrapper squeezes the targets, under a name of its own."""
+    with pytest.raises(UserCodeError) as err:
+        check_task(
+            Task("classification", None, nn.functional.cross_entropy),
+            torch.zeros(2, 4),
+            torch.zeros(2, 1).long(),
+            4,
+            "m",
+        )
+    assert (
+        "def wrapped_cross_entropy(outputs, targets): return cross_entropy(outputs, targets.squeeze(1))"
+        in err.value.hint
+    ), err.value.hint
+
+
+def test_a_wrapper_is_never_named_like_the_function_it_calls() -> None:
+    """A user loss named ``loss`` failing on a dict output: the wrapper shown must not shadow it and recurse."""
+
+    def loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(outputs.float(), targets)
+
+    out = {"logits": torch.zeros(2, 3), "aux": torch.zeros(())}
+    with pytest.raises(UserCodeError, match="raised AttributeError") as err:
+        check_task(Task("regression", None, loss), out, torch.zeros(2, 3), 0, "m")
+    assert "def wrapped_loss(outputs, targets): return loss(outputs['logits'], targets)" in err.value.hint
+    assert "def loss(" not in err.value.hint

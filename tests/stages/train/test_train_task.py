@@ -479,15 +479,16 @@ def _own_bce(outputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.T
             torch.zeros(2, 1),
             torch.tensor([0.0, 1.0]),
             "takes targets shaped like the output it reads, [N, 1]: return labels y.view(-1, 1) from the data "
-            "function, or wrap it in a function of your own: def loss(outputs, targets): return "
-            "binary_cross_entropy_with_logits(outputs, targets.view_as(outputs))",
+            "function, or wrap it in a function of your own: def wrapped_binary_cross_entropy_with_logits(outputs, "
+            "targets): return binary_cross_entropy_with_logits(outputs, targets.view_as(outputs))",
         ),
         (
             torch.nn.functional.binary_cross_entropy_with_logits,
             torch.zeros(2),
             torch.tensor([0, 1]),
             "takes targets as floats: return labels y.float() from the data function, or wrap it in a function of "
-            "your own: def loss(outputs, targets): return binary_cross_entropy_with_logits(outputs, targets.float())",
+            "your own: def wrapped_binary_cross_entropy_with_logits(outputs, targets): return "
+            "binary_cross_entropy_with_logits(outputs, targets.float())",
         ),
         (
             torch.nn.functional.binary_cross_entropy_with_logits,

@@ -118,7 +118,7 @@ def test_a_loss_failing_on_the_whole_output_is_told_how_to_wrap_it() -> None:
     with pytest.raises(UserCodeError, match="raised AttributeError") as err:
         check_task(Task("regression", None, naive), DictTagger()(torch.randn(2, 6)), torch.zeros(2, 3), 3, "m")
     assert "wrap this one in a function of your own" in err.value.hint
-    assert "def loss(outputs, targets): return naive(outputs['logits'], targets)" in err.value.hint
+    assert "def wrapped_naive(outputs, targets): return naive(outputs['logits'], targets)" in err.value.hint
 
 
 def test_a_torch_loss_beside_several_unnamed_outputs_asks_which_it_reads() -> None:
