@@ -119,8 +119,10 @@ def make_loader(
             env.world_size,
             env.world_size - n % env.world_size,
         )
+    warn_ignored_loader_settings(lc, device)
     dataset = TensorDataset(*tensors(x), y)
     sampler = ResumableSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
+    warn_one_row_last_batch(sampler.num_samples, local_batch_size(cfg, env), env)
     if lc.on_device:
         on_dev = rebuild(x, [t.to(device) for t in tensors(x)])
         return DeviceBatches(on_dev, y.to(device), sampler, local_batch_size(cfg, env)), sampler
@@ -143,10 +145,55 @@ def make_loader(
     return _Structured(loader, x), sampler
 
 
+def warn_ignored_loader_settings(lc: LoaderConfig, device: torch.device) -> None:
+    """One warning naming the ``train.loader`` settings that do nothing in this run, and why."""
+    ignored = []
+    if not lc.num_workers:
+        if lc.persistent_workers:
+            ignored.append("persistent_workers (num_workers is 0: there are no workers to keep)")
+        if lc.prefetch_factor is not None:
+            ignored.append("prefetch_factor (num_workers is 0: no worker loads ahead)")
+    if device.type != "cuda":
+        if lc.pin_memory:
+            ignored.append("pin_memory (training runs on the CPU, no GPU to copy to)")
+        if lc.on_device:
+            ignored.append("on_device (training runs on the CPU, where the data already is)")
+    if ignored:
+        log.warning("train.loader settings ignored: %s", "; ".join(ignored))
+
+
+def warn_one_row_last_batch(num_samples: int, local_batch: int, env: DistEnv) -> None:
+    """Say when each epoch ends on a batch of one row per process: it is weighted like a full batch, and a model
+    with BatchNorm layers cannot train on one row (PyTorch then fails in the model's forward pass)."""
+    if local_batch > 1 and num_samples % local_batch == 1:
+        log.warning(
+            "the epoch's last batch on each process has 1 row (%d rows per process, %d per batch): BatchNorm cannot "
+            "train on one row, and the step weighs it like a full batch; change train.batch_size (e.g. %d)",
+            num_samples,
+            local_batch,
+            _batch_without_one_row(num_samples, local_batch) * env.world_size,
+        )
+
+
+def _batch_without_one_row(num_samples: int, local_batch: int) -> int:
+    """The batch size per process nearest ``local_batch`` whose epoch does not end on a batch of one row."""
+    for step in range(1, local_batch):
+        for size in (local_batch - step, local_batch + step):
+            if size > 1 and num_samples % size != 1:
+                return size
+    return local_batch + 1
+
+
 def micro_batches(xb: Inputs, yb: torch.Tensor, steps: int) -> list[tuple[Inputs, torch.Tensor]]:
-    """Split one process's batch into at most ``steps`` micro-batches (fewer for a short last batch)."""
+    """Split one process's batch into at most ``steps`` micro-batches (fewer for a short last batch). A last
+    micro-batch of one row joins the one before it (BatchNorm cannot train on one row); each micro-batch's loss is
+    weighted by its share of the batch, so the update is the same."""
     if steps == 1:  # no accumulation: the batch itself, without the views and rebuilding of a split
         return [(xb, yb)]
-    size = -(-rows(xb) // steps)
-    parts = zip(*(t.split(size) for t in tensors(xb)))
-    return [(rebuild(xb, list(p)), y) for p, y in zip(parts, yb.split(size))]
+    n = rows(xb)
+    size = -(-n // steps)
+    sizes = [size] * (n // size) + ([n % size] if n % size else [])
+    if len(sizes) > 1 and sizes[-1] == 1 and size > 1:
+        sizes[-2:] = [size + 1]
+    parts = zip(*(t.split(sizes) for t in tensors(xb)))
+    return [(rebuild(xb, list(p)), y) for p, y in zip(parts, yb.split(sizes))]

@@ -20,8 +20,12 @@ from typing import Any
 
 from kiln.core.artifacts import write_json_atomic
 from kiln.core.child_processes import die_with_parent
-from kiln.core.errors import TrainingError
+from kiln.core.errors import ConfigError, TrainingError
+from kiln.stages.train.checkpoint import find_resume
 from kiln.stages.train.config import TrainConfig
+from kiln.stages.train.data import local_batch_size
+from kiln.stages.train.dist import DistEnv, backend_for
+from kiln.stages.train.precision import resolve_device
 
 SUMMARY = "summary.json"
 ERROR = "error.json"
@@ -61,13 +65,67 @@ def _check_gpus(train: TrainConfig, nproc: int) -> None:
         )
 
 
+def main_module_refs(settings: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """The ``(key, ref)`` pairs of the settings whose value names code in ``__main__`` (``'__main__:build'``)."""
+    found: list[tuple[str, str]] = []
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            found += main_module_refs(value, f"{prefix}{key}.")
+        elif isinstance(value, str) and value.startswith("__main__:"):
+            found.append((f"{prefix}{key}", value))
+    return found
+
+
+def _refuse_main_refs(config: Any) -> None:
+    """Code named in ``__main__`` (a function of the script that called the Python API) cannot reach the torchrun
+    workers: their ``__main__`` is ``kiln.stages.train.worker``, so each would fail only after the launch."""
+    refs = main_module_refs(config.dump())
+    if not refs:
+        return
+    key, ref = refs[0]
+    names = " and ".join(dict.fromkeys(r.split(":", 1)[1] for _, r in refs))
+    raise ConfigError(
+        f"{key} {ref!r} is defined in your script, which the torchrun workers cannot import",
+        hint=f"move {names} into a module file beside the script (e.g. mymodels.py) and name it "
+        f"'mymodels:{ref.split(':', 1)[1]}'",
+    )
+
+
+def _check_cpu_cores(nproc: int, log: logging.Logger) -> None:
+    """Processes beyond the CPU cores this process may run on share cores and train slower than fewer would."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if nproc > cores:
+        log.warning(
+            "train.distributed.nproc_per_node is %d but this machine gives Kiln %d CPU cores: each process runs one "
+            "thread, and processes sharing a core train slower than fewer processes would (lower nproc_per_node)",
+            nproc,
+            cores,
+        )
+
+
+def check_before_launch(config: Any, ckpt_dir: Path, log: logging.Logger) -> None:
+    """The worker-side checks that need only the settings and the number of processes, run before torchrun starts:
+    a mistake is then said at once, rather than by every worker after the launch."""
+    train: TrainConfig = config.train
+    nproc = train.distributed.nproc_per_node
+    _refuse_main_refs(config)
+    _check_gpus(train, nproc)
+    local_batch_size(train, DistEnv(0, nproc))
+    device = resolve_device(train)
+    backend_for(train.distributed, device)
+    if train.checkpoint.resume not in ("auto", "never"):
+        find_resume(train.checkpoint.resume, ckpt_dir, key="")  # an explicit path: refused when missing
+    if device.type == "cpu":
+        _check_cpu_cores(nproc, log)
+
+
 def run_torchrun(
     config: Any, out: Path, ckpt_dir: Path, log: logging.Logger, sources: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Train with torchrun; ``config``: the stage's settings, handed to the workers as a run config of those
     sections (a JSON file they load like any config); ``sources``: what the run trains from (``train_to``)."""
     nproc = config.train.distributed.nproc_per_node
-    _check_gpus(config.train, nproc)
+    check_before_launch(config, ckpt_dir, log)
     config_path = ckpt_dir / "worker_config.json"
     write_json_atomic(config_path, config.dump())
     sources_path = None
@@ -107,12 +165,13 @@ WORKER_LINE = re.compile(r"\[rank \d+\] (WARNING|ERROR|CRITICAL) (kiln[\w.]*): (
 def relay(line: str, log: logging.Logger, said: set[str]) -> None:
     """One line of torchrun's output into this process's log: a worker's warning as a warning, said once however
     many ranks say it (``said``: the messages said so far; the other ranks' lines of it at debug level, -vv),
-    everything else (torchrun's own output, the workers' info) at info level, which -v shows."""
+    a worker's error at debug level (``error.json`` carries it, raised once by :func:`run_torchrun`), everything
+    else (torchrun's own output, the workers' info) at info level, which -v shows."""
     found = WORKER_LINE.fullmatch(line)
     if found is None:
         log.info("[torchrun] %s", line)
         return
-    if found.group(3) in said:
+    if found.group(1) != "WARNING" or found.group(3) in said:
         log.debug("[torchrun] %s", line)
         return
     said.add(found.group(3))
