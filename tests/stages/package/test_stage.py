@@ -108,7 +108,7 @@ def test_a_batch_cap_is_a_warning_only_where_the_config_asked_for_more(
 
 
 def test_a_two_tower_engine_is_packaged_unbatched_for_every_server(
-    tmp_path, tiny_config, caplog: pytest.LogCaptureFixture
+    tmp_path, tiny_config, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An engine whose inputs come in counts of their own (``texts``, ``images``): both Triton repositories are
     written with ``max_batch_size: 0`` (Triton's batcher would refuse 5 texts with 2 images), the Ray app's replica
@@ -136,6 +136,7 @@ def test_a_two_tower_engine_is_packaged_unbatched_for_every_server(
     validation.write(tmp_path / "validate" / "validation.json")
     inputs = {"build": tmp_path / "build", "validate": tmp_path / "validate"}
     ctx = stage_context("package", tiny_config, tmp_path, tmp_path / "package", inputs)
+    monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # a CLI test in this worker turns it off
     with caplog.at_level(logging.INFO):
         model = run(ctx).models[0]
     for layout, name in (("triton", model["triton_model"]), ("triton-python", model["triton_python_model"])):
