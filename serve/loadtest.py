@@ -87,7 +87,11 @@ CLIENT_SWITCH_S = 200e-6
 TAIL_WINDOW_S = 0.1  # tail_windows' window
 TAIL_MIN_WINDOWS = 20  # fewer windows than this: tail_windows says nothing
 TAIL_MIN_SLOW = 10  # fewer slow requests than this: no share (one or two sit in one window whatever the spread)
-GONE_AFTER = 3  # requests in a row that found no server (connection refused): it is gone, and the level stops
+# requests in a row that found no server (connection refused) or no model (unloaded by a stopping server): it is
+# gone, and the level stops
+GONE_AFTER = 3
+# how Triton answers a request for a model it has unloaded (a server stopping unloads its models before it closes)
+UNLOADED = "has no available versions"
 # why the requests are random where neither -c nor a workdir's recorded run gives data (none is made up)
 NO_DATA = (
     "no data given, so random arrays of the engine's recorded shapes and ranges; to send real data, give -c CONFIG "
@@ -112,6 +116,7 @@ class Level:
     # the server went away during the level (GONE_AFTER requests in a row refused), which then stopped: ``seconds``
     # is the time until its last answer, what its throughput counts
     server_gone: bool = False
+    last_answer_s: float = 0.0  # seconds from the level's start to its last answer: ``seconds`` once the server is gone
     gone_error: str = ""  # the last request's error that found no server: what the stop says, not a later error
 
     def summary(self) -> dict[str, Any]:
@@ -121,6 +126,7 @@ class Level:
             "concurrency": self.concurrency,
             "requests": len(self.latencies_ms),
             "seconds": self.seconds,
+            "last_answer_s": self.last_answer_s,
             "throughput_rps": len(self.latencies_ms) / self.seconds if self.seconds else 0.0,
             "latency_ms": {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(lat.mean())},
             "mismatches": self.mismatches,
@@ -288,10 +294,9 @@ def engine_for(path: str | Path, model: str) -> ServedEngine:
     for e in engines:
         if model == e.model_name or aliases.get(model) == e.meta.name:
             return e
-    raise ConfigError(
-        f"no engine served as '{model}' under {path}",
-        hint=f"--model is one of {sorted({e.model_name for e in engines} | set(aliases))}",
-    )
+    here = {e.meta.name for e in engines}  # the package's record names every engine's aliases, not only these
+    names = {e.model_name for e in engines} | {alias for alias, engine in aliases.items() if engine in here}
+    raise ConfigError(f"no engine served as '{model}' under {path}", hint=f"--model is one of {sorted(names)}")
 
 
 def default_model(path: str | Path) -> str:
@@ -426,15 +431,17 @@ def batch_deviation(
     """How far the engine's answers batched with others lie from its single-sample ones (``expected``): the pool
     run in whole batches of :data:`BAND_ROWS` and of ``limit`` rows (the server's largest batch, padded as the
     server pads it). Per output, the rtol (of the answer's scale, as :func:`answer_error` counts it) a batched
-    answer needs beside the ``base`` atol; ``atol``: the error of answers with no value to scale by. A static
-    engine's is about 0; a dynamically quantized one's is the band its batch mates move it by."""
+    answer needs beside the ``base`` atol; ``largest``: per output, the largest error itself (of the answer's scale),
+    which the base tolerance may cover, leaving an rtol of 0 though batching moved the answers; ``atol``: the error
+    of answers with no value to scale by. A static engine's is about 0; a dynamically quantized one's is the band
+    its batch mates move it by."""
     size = min(limit, len(pool))
     batches = sorted({min(BAND_ROWS, size), size} - {0, 1})
     buckets = buckets_for(runner, limit)
     outputs = list(expected[0])
     masks = answer_masks(expected, outputs)
     scales = answer_scales(expected, masks)
-    rtol, atol = dict.fromkeys(outputs, 0.0), 0.0
+    rtol, largest, atol = dict.fromkeys(outputs, 0.0), dict.fromkeys(outputs, 0.0), 0.0
     for b in batches:
         for start in range(0, len(pool) - b + 1, b):
             feed = {k: np.concatenate([r[k] for r in pool[start : start + b]]) for k in pool[0]}
@@ -447,11 +454,12 @@ def batch_deviation(
                     err, scale = _error_and_scale(want[name], rows[i : i + 1], masks[name], scales[name])
                     if scale > 0:
                         rtol[name] = worse(rtol[name], max(0.0, err - base[0]) / scale)
+                        largest[name] = worse(largest[name], err / scale)
                     else:
                         atol = worse(atol, err)
     moved = BAND_SAFETY * max((v for v in rtol.values() if np.isfinite(v)), default=0.0)
     apart = answer_separation(expected, masks, scales) if moved > BAND_CAP else None  # only where it may widen
-    return {"batches": batches, "rtol": rtol, "atol": atol, "separation": apart}
+    return {"batches": batches, "rtol": rtol, "largest": largest, "atol": atol, "separation": apart}
 
 
 def answer_separation(expected: list[dict], masks: dict[str, Masks], scales: dict[str, float]) -> float | None:
@@ -909,7 +917,8 @@ def run_level(
                 t.start()
             for t in threads:
                 t.join(timeout=duration_s + REQUEST_TIMEOUT_S + 5)  # a request in flight at the deadline may finish
-            level.seconds = (answered_at[0] if level.server_gone else time.perf_counter()) - start
+            level.last_answer_s = answered_at[0] - start
+            level.seconds = level.last_answer_s if level.server_gone else time.perf_counter() - start
             level.cpu = meter.read()
         level.collections = collections.seen
     except BaseException:  # stopped: the threads end before their regions go, within the client's share of the stop
@@ -990,10 +999,13 @@ def worse(a: float, b: float) -> float:
 def no_server(exc: BaseException) -> bool:
     """Whether a failed request found no server to send it to: its connection refused or reset (tritonclient's
     HTTP client raises the socket's error; Kiln's keeps it as its error's context; tritonclient's gRPC client says
-    UNAVAILABLE). An error the server answered with, a timeout or an answer cut short (the server ending while
-    it worked on the request) is not."""
+    UNAVAILABLE), or a server that has unloaded the model (:data:`UNLOADED`: a stopping server answers so until its
+    port closes, and the level's first request found the model served). An error the server answered with
+    otherwise, a timeout or an answer cut short (the server ending while it worked on the request) is not."""
     status = getattr(exc, "status", None)
     if callable(status) and str(status()) == "StatusCode.UNAVAILABLE":
+        return True
+    if UNLOADED in str(exc):
         return True
     cause = exc.__context__ if isinstance(exc, HttpError) else exc
     return isinstance(cause, ConnectionError)
@@ -1072,6 +1084,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
             merged.max_abs_err = worse(merged.max_abs_err, part.max_abs_err)
             merged.worst_wrong = worse(merged.worst_wrong, part.worst_wrong)
             merged.seconds = max(merged.seconds, part.seconds)
+            merged.last_answer_s = max(merged.last_answer_s, part.last_answer_s)
             merged.switch_interval_s = part.switch_interval_s
             merged.client = part.client
             merged.server_gone |= part.server_gone
@@ -1146,9 +1159,15 @@ def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
             else client.get_inference_statistics(model)
         )
     except Exception as exc:  # tritonclient raises its own exceptions and the transport's (connection refused)
+        said = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+        served = served_models(client, protocol)
+        if served is not None and model not in served:  # the server runs, and serves other models
+            raise ConfigError(
+                f"the server at {address} serves no model '{model}' ({said})",
+                hint=f"--model is one of {served}" if served else "wait until `kiln serve` says it is ready",
+            ) from None
         raise KilnError(
-            f"cannot read model '{model}' statistics from Triton at {address} "
-            f"({type(exc).__name__}: {str(exc).strip()[:200]})",
+            f"cannot read model '{model}' statistics from Triton at {address} ({said})",
             hint="start the server first (`kiln serve`), check the URL's port and protocol, and that "
             "--model is a model it serves",
         ) from None
@@ -1163,6 +1182,21 @@ def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
         "execution_ns": sum(int(b.get("compute_infer", {}).get("ns", 0)) for b in entry.get("batch_stats", [])),
     }
     return counts | {f"{k}_ns": int(phases.get(k, {}).get("ns", 0)) for k in ("success", *TRITON_PHASES)}
+
+
+def served_models(client: Any, protocol: str) -> list[str] | None:
+    """The models a Triton server has ready, from its repository index through tritonclient's ``client`` (HTTP or
+    gRPC); None where the index cannot be read (no server there)."""
+    try:
+        index = (
+            client.get_model_repository_index(as_json=True)
+            if protocol == "grpc"
+            else client.get_model_repository_index()
+        )
+    except Exception:  # tritonclient raises its own exceptions and the transport's (connection refused)
+        return None
+    entries = index.get("models", []) if isinstance(index, dict) else index
+    return sorted({m["name"] for m in entries if m.get("state", "READY") == "READY"})
 
 
 def server_max_batch(protocol: str, address: str, model: str) -> int | None:
@@ -1373,7 +1407,7 @@ def loadtest(
             if level.server_gone:  # the level stopped there: the levels measured are kept
                 gone = (
                     f"the server stopped answering {level.seconds:.1f} s into the level at concurrency {c} "
-                    f"({GONE_AFTER} requests in a row found no server: {level.gone_error})"
+                    f"({GONE_AFTER} requests in a row found no server or no model: {level.gone_error})"
                 )
                 after = mark
                 break
@@ -1381,7 +1415,7 @@ def loadtest(
                 after = settled_batches(protocol, address, model, mark["inference_count"] + len(level.latencies_ms))
             except KilnError as exc:  # the server went away at the level's end
                 gone, after = f"the server stopped answering during the level at concurrency {c} ({exc.message})", mark
-                levels[-1]["server_gone"] = True
+                ended_at_last_answer(levels[-1])
                 break
             levels[-1]["server_split_ms"] = time_split(mark, after, levels[-1]["latency_ms"]["mean"])
             levels[-1]["stub_ms"] = stub_split(stub, stub_times.read(metrics, model) if metrics else None, mark, after)
@@ -1439,6 +1473,18 @@ def loadtest(
             "build, not one from another run or workdir), then the server's batching",
         )
     return result
+
+
+def ended_at_last_answer(summary: dict[str, Any]) -> None:
+    """Mark a level's summary as one whose server went away, found only after the level ran its full time: its
+    ``seconds`` become those until its last answer and its throughput counts them, as for a level that stopped
+    when the server went (:class:`Level`'s ``server_gone``)."""
+    seconds = summary.get("last_answer_s") or 0.0
+    summary.update(
+        server_gone=True,
+        seconds=seconds,
+        throughput_rps=summary["requests"] / seconds if seconds else 0.0,
+    )
 
 
 def first_answer(
@@ -1534,10 +1580,9 @@ def tolerance_lines(result: dict[str, Any]) -> list[str]:
     deviation = tol.get("batch_deviation")
     if deviation is None:
         return []
-    moved = max(deviation["rtol"].values(), default=0.0)
     batches = ", ".join(map(str, deviation["batches"])) or "none (the server forms no batch)"
     seen = max((lv.get("max_abs_err", 0.0) for lv in result["levels"]), default=0.0)
-    moved_said = "none (identical)" if moved == 0 else f"up to {moved:.3g} x the answer's scale"
+    moved_said = deviation_said(deviation)
     apart = deviation.get("separation")
     cap = f"{band_cap(deviation):.3g}" + (
         f": {SEPARATION_SHARE:g} x how far apart the requests' answers lie ({apart:.3g} x their scale)"
@@ -1552,6 +1597,19 @@ def tolerance_lines(result: dict[str, Any]) -> list[str]:
         f"deviation, up to {cap}). Batch-mate deviation: the engine's answers in batches of {batches} against its "
         f"single-sample ones, {moved_said}. Largest error seen under load: {seen:.3g}.",
     ]
+
+
+def deviation_said(deviation: dict[str, Any]) -> str:
+    """What batching moved the engine's answers by (:func:`batch_deviation`): the rtol it adds to the base tolerance,
+    or where the base covers it, that it stays within and its largest value; "none" only where nothing moved."""
+    moved = max(deviation["rtol"].values(), default=0.0)
+    if moved != 0:
+        return f"up to {moved:.3g} x the answer's scale"
+    largest = max((deviation.get("largest") or {}).values(), default=0.0)
+    if largest != 0:
+        return f"within the base tolerance (largest {largest:.3g} x the answer's scale)"
+    atol = deviation.get("atol", 0.0)
+    return f"up to {atol:.3g} in answers with no scale, none in the others" if atol != 0 else "none (identical)"
 
 
 def split_table(levels: list[dict[str, Any]]) -> list[str]:
@@ -1650,10 +1708,12 @@ def plot(result: dict[str, Any]) -> bytes:
     if all("inprocess" in lv for lv in levels):
         a.plot(cs, [lv["inprocess"]["throughput_rps"] for lv in levels], marker="s", ls="--", label="in-process")
     a.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="requests / s", title="throughput")
+    level_ticks(a, cs)
     a.legend()
     for q in ("p50", "p90", "p99"):
         b.plot(cs, [lv["latency_ms"][q] for lv in levels], marker="o", label=q)
     b.set(xscale="log", xlabel="concurrency", ylabel="ms", title="latency")
+    level_ticks(b, cs)
     b.legend()
     fig.suptitle(f"{result['model']} ({result['engine']}, {result.get('server_kind', 'Triton')})")
     fig.tight_layout()
@@ -1661,6 +1721,15 @@ def plot(result: dict[str, Any]) -> bytes:
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     return buf.getvalue()
+
+
+def level_ticks(axes: Any, levels: list[int]) -> None:
+    """A log x axis ticked at the concurrency levels only, labelled as plain numbers: the log scale's own labels
+    (minor ones such as 2x10^0 between close levels) overlap and name no level."""
+    from matplotlib.ticker import NullLocator
+
+    axes.set_xticks(sorted(set(levels)), labels=[str(c) for c in sorted(set(levels))])
+    axes.xaxis.set_minor_locator(NullLocator())
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
