@@ -73,6 +73,13 @@ class _Console(Console):
         self.quiet = True
         _discard(self.file)
 
+    def print(self, *objects: Any, soft_wrap: bool | None = None, **kwargs: Any) -> None:
+        """Rich's print; on a stderr that is no terminal (a pipe, a CI log), one message is one line, as the log
+        lines are (:class:`_PlainHandler`), where rich would wrap it at 80 columns and break grep."""
+        if soft_wrap is None and self.stderr and not self.is_terminal:
+            soft_wrap = True
+        super().print(*objects, soft_wrap=soft_wrap, **kwargs)
+
 
 def _answer(text: str, nl: bool = True) -> None:
     """``text`` on stdout, which may have been closed by its reader (`kiln config | head -3`): then dropped."""
@@ -82,7 +89,7 @@ def _answer(text: str, nl: bool = True) -> None:
         _discard(sys.stdout)
 
 
-console = _Console(stderr=True)  # logs, progress, errors (rich's log lines pad to the width: 80 where piped)
+console = _Console(stderr=True)  # logs, progress, errors (one line a message where piped: _Console.print)
 # what a command answers: tables, JSON, the paths it wrote (stdout: `kiln run | tee` keeps it)
 results = _Console(width=_width(sys.stdout))
 STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow", "failed": "bold red", "not-run": "dim"}

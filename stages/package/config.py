@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from kiln.core.sections import Section
+from kiln.core.signature import HintedValueError
+
+# The schemes KServe's storage initializer reads a model repository from (kserve.check_manifest holds the manifest
+# to them too)
+STORAGE_SCHEMES = ("s3://", "gs://", "pvc://", "https://", "http://", "hdfs://", "webhdfs://", "oci://")
 
 
 class RayConfig(Section):
@@ -36,6 +41,18 @@ class KServeConfig(Section):
         description="where the cluster finds package/triton (s3://, gs://, pvc://, https://): copy it there",
     )
     gpus: int = Field(1, ge=0, description="GPUs the predictor asks for (0: a CPU predictor)")
+
+    @field_validator("storage_uri")
+    @classmethod
+    def _known_scheme(cls, uri: str, info: ValidationInfo) -> str:
+        # The manifest check would refuse it only when the package stage writes kserve.yaml, after the whole run.
+        if info.data.get("enabled", True) and not uri.startswith(STORAGE_SCHEMES):
+            raise HintedValueError(
+                f"'{uri}' is not a storage URI KServe reads (it takes {', '.join(STORAGE_SCHEMES)})",
+                hint="set package.kserve.storage_uri to s3://..., gs://..., pvc://... (or package.kserve.enabled: "
+                "false)",
+            )
+        return uri
 
 
 class PackageConfig(Section):

@@ -15,10 +15,9 @@ import yaml
 
 from kiln.core.artifacts import write_text_atomic
 from kiln.core.errors import ConfigError
-from kiln.stages.package.config import KServeConfig
+from kiln.stages.package.config import STORAGE_SCHEMES, KServeConfig
 
 API_VERSION = "serving.kserve.io/v1beta1"
-STORAGE_SCHEMES = ("s3://", "gs://", "pvc://", "https://", "http://", "hdfs://", "webhdfs://", "oci://")
 # Kubernetes names of InferenceServices: a DNS-1035 label (KServe prefixes it into Service names)
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 

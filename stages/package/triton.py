@@ -14,6 +14,7 @@ when Triton loads it (or, worse, when a request of the wrong shape arrives).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -24,6 +25,8 @@ from kiln.core.errors import ModelError
 from kiln.core.records import EngineMetadata, TensorSpec
 from kiln.stages.engines.backend import TritonModel
 from kiln.stages.engines.registry import BACKENDS
+
+log = logging.getLogger("kiln.package")
 
 TRITON_TYPES = {
     "float32": "TYPE_FP32",
@@ -276,6 +279,24 @@ def write_stock_model(target: Path, engine_dir: Path, meta: EngineMetadata, max_
     (target / "1").mkdir(parents=True)
     _link_or_copy(engine_dir / meta.files["model"], target / "1" / _stock(meta).model_file)
     write_text_atomic(target / "config.pbtxt", triton_config(target.name, meta, max_batch_size))
+    _say_uncapped(target.name, meta, max_batch_size)
+
+
+def _say_uncapped(model_name: str, meta: EngineMetadata, max_batch_size: int) -> None:
+    """Warn where ``package.max_batch_size: 0`` leaves the stock model's first axis free (dims ``-1``): Triton's
+    stock backends check no row count of an unbatched model, so it takes batches past the validated one, which the
+    Python-backend model and the Ray app refuse."""
+    validated = meta.validated_max_batch()
+    free_rows = any(s.shape and _dynamic(s.shape[0]) for s in meta.inputs)
+    if max_batch_size <= 0 and batchable(meta) and validated is not None and free_rows:
+        log.warning(
+            "%s: package.max_batch_size: 0 serves the stock Triton repository (triton/) unbatched: Triton takes a "
+            "request of any number of rows there, past the validated batch %d (triton-python/ and the Ray app "
+            "refuse more); to cap it, set package.max_batch_size to %d",
+            model_name,
+            validated,
+            validated,
+        )
 
 
 # The Python backend's model: Triton hands it a list of requests (one per client call, each with its own batch
