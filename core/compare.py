@@ -20,10 +20,12 @@ import numpy as np
 # statistic -> what it measures (for docs, reports and error messages)
 STATISTICS: dict[str, str] = {
     "max_abs_err": "largest absolute difference (inf when the candidate has non-finite values)",
-    "rel_err": "relative L2 error ||got - ref|| / ||ref||; in validation, of every float output but the class "
-    "logits, the RMS error over how the reference varies between the held-out samples (at least 1 % of its RMS)",
+    "rel_err": "relative L2 error ||got - ref|| / ||ref||; in validation, of every float output with a batch axis "
+    "but the class logits, the RMS error over how the reference varies between the held-out samples (at least 1 % "
+    "of its RMS)",
     "norm_rel_err": "where rel_err is over the spread between samples, the relative L2 error over the norm",
-    "cosine": "cosine similarity of the whole output, flattened (1.0 when both are all zeros)",
+    "cosine": "cosine similarity of the whole output, flattened (1.0 when both are all zeros); none for an output "
+    "without a batch axis (a 0-D loss: one value a call, whose cosine is its sign)",
     "sample_cosine": "the worst sample's cosine: each sample (row of the batch axis) flattened against its reference "
     "row, or where higher, the cosine its error would give on a sample of the median norm (a near-zero sample's own "
     "cosine is noise: sample_cosines)",
@@ -85,7 +87,9 @@ class OutputStats:
     integer or boolean output (a predicted class, a mask) has no cosine: its ``top1_agreement`` is the share of its
     values that are equal, the decision a class output makes; an integer output of levels (:func:`integer_levels`:
     pixel values) is compared as a float output is instead, with no top-1, and ``levels`` counts its values.
-    ``sample_cosine`` is None where there are no samples to tell apart (:func:`sample_cosines`). ``agreement`` says
+    ``sample_cosine`` is None where there are no samples to tell apart (:func:`sample_cosines`). An output without a
+    batch axis (``whole``: a 0-D loss, one value a call) has no cosine either, and no top-1: the cosine of one value
+    is its sign, 1.0 whatever the scale; its ``rel_err`` is over its norm. ``agreement`` says
     what ``top1_agreement`` counts (:data:`Agreement`): the comparison of a multi-label head sets "decision"; it is
     no statistic, and :meth:`as_dict` leaves it out."""
 
@@ -117,6 +121,7 @@ def compare_arrays(
     where: np.ndarray | None = None,
     binary_at: float | None = None,
     levels: bool | None = None,
+    whole: bool = False,
 ) -> OutputStats:
     """``got`` against ``ref`` (same shape). ``rel_tie``: a top-1 mismatch where the reference's two logits lie
     within ``rel_tie`` of its largest magnitude is a tie, not a disagreement (random weights give near-ties that
@@ -128,7 +133,8 @@ def compare_arrays(
     None: a class axis of one entry, or one value per row, has no top-1 (a regression's ``[N, 1]`` or ``[N]``
     values). ``levels``: whether an integer ``ref`` holds levels of a quantity, compared as a float output
     (None: as :func:`integer_levels` reads its values); any other integer or boolean output is compared value for
-    value (:class:`OutputStats`)."""
+    value (:class:`OutputStats`). ``whole``: the output has no batch axis (a 0-D loss; where calls were stacked,
+    one value a call), its values no samples' rows: no cosine, per-sample cosine or top-1 (as a 0-D ``ref``)."""
     count = _levels(ref, levels)
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if r.shape != g.shape:
@@ -137,6 +143,9 @@ def compare_arrays(
         equal = float(np.mean(r == g)) if r.size else 1.0
         return OutputStats(_max_abs_err(r, g), _rel_err(r, g), None, equal)
     shared = set_aside(r, g)
+    if whole or r.ndim == 0:
+        rf, gf = (r[~shared], g[~shared]) if shared.any() else (r, g)
+        return OutputStats(_max_abs_err(rf, gf), _rel_err(rf, gf), None, None, levels=count)
     with np.errstate(invalid="ignore"):  # an infinity minus itself: NaN, which is no tie and no agreement
         agreement, ties = (None, None) if count else _top1(r, g, rel_tie, where, shared, binary_at)
     rf, gf = (r[~shared], g[~shared]) if shared.any() else (r, g)
@@ -252,22 +261,22 @@ def compare_outputs(
     where: Mapping[str, np.ndarray] | None = None,
     binary_at: Mapping[str, float] | None = None,
     levels: Collection[str] | None = None,
+    whole: Collection[str] = (),
 ) -> dict[str, OutputStats]:
     """Per output: by name for mappings (the reference's names), by position (``"0"``, ``"1"``...) for sequences.
     ``where``: per output (by those names), the rows/positions its top-1 agreement counts; ``binary_at``: per output,
     the decision threshold of a binary classifier's one logit; ``levels``: the integer outputs that hold levels of
-    a quantity (None: each as its values say) (:func:`compare_arrays`)."""
+    a quantity (None: each as its values say); ``whole``: the outputs without a batch axis (:func:`compare_arrays`)."""
     where, binary_at = where or {}, binary_at or {}
     held = (lambda name: None) if levels is None else (lambda name: name in levels)
     if isinstance(ref, Mapping):
         got_map = got if isinstance(got, Mapping) else dict(zip(ref, got))
-        return {
-            name: compare_arrays(value, got_map[name], rel_tie, where.get(name), binary_at.get(name), held(name))
-            for name, value in ref.items()
-        }
+        pairs = {name: (value, got_map[name]) for name, value in ref.items()}
+    else:
+        pairs = {str(i): (r, g) for i, (r, g) in enumerate(zip(ref, got))}
     return {
-        str(i): compare_arrays(r, g, rel_tie, where.get(str(i)), binary_at.get(str(i)), held(str(i)))
-        for i, (r, g) in enumerate(zip(ref, got))
+        name: compare_arrays(r, g, rel_tie, where.get(name), binary_at.get(name), held(name), name in whole)
+        for name, (r, g) in pairs.items()
     }
 
 

@@ -75,6 +75,7 @@ def compare_all(
     decisions: bool = False,
     per_row: bool = True,
     levels: Collection[str] | None = None,
+    whole: Collection[str] = (),
 ) -> dict[str, OutputStats]:
     """Every output of the reference against the candidate's output of the same name (each side's outputs the
     other's too: an output served and never compared is refused, as one missing is); top-1 agreement only on
@@ -92,8 +93,10 @@ def compare_all(
     such a logit too where ``per_row`` (the :class:`Reference`'s :attr:`~Reference.binary_at` says; by default
     they are, as where the user names them with no data to say otherwise). ``levels``: the integer outputs held to
     their error as float outputs are (:func:`level_outputs`, of the whole held-out set where this is a few rows of
-    it; None: of this reference). ``mismatch_hint``: the fix when the outputs are not the reference's (names or
-    shapes)."""
+    it; None: of this reference). ``whole``: the outputs without a batch axis (a 0-D loss, stacked one value a call:
+    :attr:`Reference.scalars`), which have no samples to vary between: no cosine, and their relative error over
+    their norm (:func:`~kiln.core.compare.compare_arrays`; a 0-D output is one by its shape).
+    ``mismatch_hint``: the fix when the outputs are not the reference's (names or shapes)."""
     missing = sorted(set(ref) - set(got))
     if missing:
         raise ModelError(
@@ -126,7 +129,7 @@ def compare_all(
         masks = {logits: where} if logits is not None and where is not None else None
         compared = as_decisions(ref, got, logits) if decide else (ref, got)
         held = level_outputs(ref, logits) if levels is None else levels
-        stats = compare_outputs(*compared, where=masks, binary_at=binary, levels=held)
+        stats = compare_outputs(*compared, where=masks, binary_at=binary, levels=held, whole=whole)
     except ValueError as exc:  # an output of another shape than the reference's at the same inputs
         raise ModelError(
             f"the engine's outputs do not match the reference's: {exc}",
@@ -431,7 +434,7 @@ def summarize(
     precision stage's rounds judging a graph), so that validation says it once per engine, by its name."""
     entry.outputs = {n: s.as_dict() for n, s in stats.items()}
     held = {n: s for n, s in stats.items() if gated is None or n in gated} or stats
-    floats = {n: s for n, s in held.items() if s.cosine is not None}
+    floats = {n: s for n, s in held.items() if holds_floats(s.as_dict())}
     # an integer output's error is a difference of class indices or counts, no measure of closeness: where the
     # model has float outputs, the headline errors are theirs
     errors = floats or held
@@ -439,7 +442,8 @@ def summarize(
     # headline, which reports show, is the other outputs' where there are any
     values = {n: v for n, v in errors.items() if n != logits} or errors
     entry.max_abs_err, entry.rel_err = worst(errors, "max_abs_err"), worst(values, "rel_err")
-    entry.cosine = worst(floats, "cosine") if floats else None
+    cosines = {n: s for n, s in floats.items() if s.cosine is not None}  # none without a batch axis (a 0-D loss)
+    entry.cosine = worst(cosines, "cosine") if cosines else None
     entry.top1_agreement = floats[logits].top1_agreement if logits in floats else None
     entry.top1_ties = floats[logits].top1_ties if logits in floats else None
     entry.agreement = stats[logits].agreement if logits in stats else "top1"
@@ -515,16 +519,22 @@ def _refuse_batch_of_one(
         )
 
 
-def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int, smallest: int) -> list[str]:
+def batch_coupled(
+    run: Callable[[Feed], dict[str, np.ndarray]],
+    feed: Feed,
+    batch: int,
+    smallest: int,
+    big: dict[str, np.ndarray] | None = None,
+) -> list[str]:
     """Outputs whose shape beyond the first axis follows the batch size (a contrastive model's ``[images, texts]``
     logits), or whose rows read their batch mates (:func:`mixed_rows`): their rows depend on the whole batch, so
     they compare only between calls on the same batch, and servers run them a request at a time. Probed at
     the largest validated batch against the smallest (or, with one size, the last, shorter batch of the held-out
     rows), sizes the model is validated at anyway; an output whose first axis is not the batch (a scalar) is one
-    at the largest batch alone. A model that fails the probe is left to the comparisons to report."""
-    try:
-        big = run(sample_batch(feed, batch))
-    except Exception:  # the reference's own error surfaces where the comparisons run it
+    at the largest batch alone. A model that fails the probe is left to the comparisons to report. ``big``: the
+    outputs at the largest batch where the caller has them (:func:`probe_batch`)."""
+    big = probe_batch(run, feed, batch) if big is None else big
+    if big is None:
         return []
     # on the first axis: an output whose rows are not the samples (a count the values decide, such as
     # torch.nonzero's or a detector's after NMS, or no batch axis at all)
@@ -538,6 +548,36 @@ def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batc
         # beyond the first axis (CLIP's [images, texts])
         coupled = [k for k in big if k in coupled or (k in small and big[k].shape[1:] != small[k].shape[1:])]
     return coupled + [k for k in mixed_rows(run, sample_batch(feed, batch), big) if k not in coupled]
+
+
+def probe_batch(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int) -> dict[str, np.ndarray] | None:
+    """``run`` on ``batch`` rows of ``feed`` (:func:`sample_batch`); None where the model fails (its error surfaces
+    where the comparisons run it)."""
+    try:
+        return run(sample_batch(feed, batch))
+    except Exception:
+        return None
+
+
+def scalar_outputs(outputs: dict[str, np.ndarray] | None) -> list[str]:
+    """The outputs of one call without a batch axis (0-D: a loss over the batch), which :func:`batched` stacks one
+    value a call: no samples' rows, compared by their error over their norm (:func:`compare_all`'s ``whole``)."""
+    return [k for k, v in (outputs or {}).items() if np.ndim(v) == 0]
+
+
+def refuse_scalar_logits(logits: str | None, named: bool, scalars: Collection[str], outputs: Collection[str]) -> None:
+    """A ConfigError where ``signature.logits_output`` (``named``) names an output without a batch axis (0-D): it
+    holds one value a call, no class logits of each sample, and no top-1 agreement or accuracy could be measured
+    on it; the fix lists the outputs with a batch axis."""
+    if not named or logits is None or logits not in scalars:
+        return
+    rowed = [n for n in outputs if n not in scalars]
+    raise ConfigError(
+        f"signature.logits_output names '{logits}', a scalar without a batch axis: it cannot hold class logits",
+        hint=f"name the output of class logits in signature.logits_output (those with a batch axis: {rowed})"
+        if rowed
+        else "unset signature.logits_output: no output has a batch axis to hold class logits",
+    )
 
 
 def class_axis_follows_batch(
@@ -695,7 +735,7 @@ def rel_err_limits(
     output (class logits with no top-1 to agree on: one value per row). A binary classifier's one logit (noted
     ``decision_at``: :class:`KeptStats`) is no softmax's: its value is the probability answered (a click rate),
     which a scale or shift moves while its decision and any ranking keep, so it is held as the other outputs are."""
-    floats = [n for n, s in per_output.items() if s.get("cosine") is not None]
+    floats = [n for n, s in per_output.items() if holds_floats(s)]
     if gates.get("max_rel_err") is not None:
         return dict.fromkeys(floats, gates["max_rel_err"])
     logits = [n for n in floats if per_output[n].get("top1_agreement") is not None]
@@ -704,6 +744,13 @@ def rel_err_limits(
         exempt = set()
     exempt = {n for n in exempt if per_output[n].get("decision_at") is None}
     return {n: derived_rel_err(gates) for n in floats if n not in exempt}
+
+
+def holds_floats(stats: dict[str, Any]) -> bool:
+    """Whether an output's recorded statistics are a float output's, held to its cosine and errors: it has a cosine,
+    or no share of equal values (an output without a batch axis, a 0-D loss, has neither: one value has no
+    direction), where an integer output has its share of equal values in place of a cosine."""
+    return stats.get("cosine") is not None or stats.get("top1_agreement") is None
 
 
 def labels_at_points(
@@ -832,7 +879,10 @@ class Reference:
         self.axes: Axes = axes or {}
         self.targets, self.metric = targets, metric
         self.score = None if score is None else score % len(feeds)
-        self.coupled = coupled = batch_coupled(run, feeds[0][1], batch, smallest)
+        probe = probe_batch(run, feeds[0][1], batch)
+        self.coupled = coupled = batch_coupled(run, feeds[0][1], batch, smallest, probe)
+        self.scalars = scalar_outputs(probe)  # no batch axis: stacked one value a call (compare_all's whole)
+        refuse_scalar_logits(logits, named, self.scalars, list(probe or {}))
         if coupled:  # compare whole batches only: a last, shorter batch gives those outputs another shape
             rows = feed_rows(feeds[0][1]) // batch * batch
             if not rows:
@@ -1730,6 +1780,7 @@ def direct_top1(
     reads the default's values in the reference's ``outputs``, where given: integer ones hold no class scores)."""
     name = logits_name(names, setting)
     output = None if outputs is None or name is None else outputs.get(name)
+    refuse_scalar_logits(name, setting is not None, scalar_outputs(outputs), names)
     return top1_output(name, None, named=setting is not None, output=output)
 
 
@@ -1795,6 +1846,7 @@ def compare_on(
             decisions=ref.multi_label,
             per_row=per_row,
             levels=ref.levels,
+            whole=ref.scalars,
         )
         out.stats = merge_worst(out.stats, with_variation(kept, whole, spread))
         for bs in batch_sizes:
@@ -1813,6 +1865,7 @@ def compare_on(
                 decisions=ref.multi_label,
                 per_row=per_row,
                 levels=ref.levels,
+                whole=ref.scalars,
             )
             out.stats = merge_worst(out.stats, {n: _batch_wide(v) for n, v in spot.items()})
         if i == ref.score:
@@ -1950,7 +2003,7 @@ def _output_failures(
                 f"{where}{s['top1_agreement']:.4f} of its values equal < min_top1_agreement "
                 f"{gates['min_top1_agreement']}"
             )
-    elif not s["cosine"] >= gates["min_cosine"]:
+    elif s["cosine"] is not None and not s["cosine"] >= gates["min_cosine"]:  # None: no batch axis (a 0-D loss)
         fails.append(f"{where}cosine {_cosine_said(s['cosine'])} < min_cosine {gates['min_cosine']}")
     elif s.get("sample_cosine") is not None and not s["sample_cosine"] >= gates["min_cosine"]:
         fails.append(_sample_failure(where, s, gates["min_cosine"]))
@@ -1976,7 +2029,7 @@ def _rel_failures(where: str, s: dict[str, Any], rel_limit: float | None, accept
                 precision.upper(),
             )
         else:
-            said = _over_spread(s, accept, precision)
+            said = _over_spread(s, accept, precision) or _over_norm(s)
             return [f"{where}relative error {rel:.4g} > max_rel_err {rel_limit:.4g}{said}"]
     return []
 
@@ -2037,6 +2090,14 @@ def _over_spread(stats: dict[str, Any], accept: str, precision: str = "fp32") ->
         f"{norm / stats['rel_err']:.2%} of its RMS; over its norm the error is {norm:.2g}{beyond}: held-out inputs "
         f"that vary more measure it better{f'; to accept it, set {accept}' if accept else ''})"
     )
+
+
+def _over_norm(stats: dict[str, Any]) -> str:
+    """What the relative error of an output without a batch axis (a 0-D loss: no cosine, no share of equal values)
+    is over: its norm, there being no samples whose spread would measure it."""
+    if stats.get("cosine") is not None or stats.get("top1_agreement") is not None:
+        return ""
+    return " (over its norm: it has no batch axis, one value a call)"
 
 
 def _sample_failure(where: str, stats: dict[str, Any], limit: float) -> str:

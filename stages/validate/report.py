@@ -511,6 +511,7 @@ def _compared(v: ValidationResult) -> list[str]:
         "",
         f"Compared outputs: {', '.join(b.compared)} (error and cosine per output, the worst gated{free}); {logits}."
         + _equal_values_note(v)
+        + _scalar_note(v)
         + (f" Dynamic axes validated at: {shapes}{_padded(b)}." if shapes else "")
         + _coupled(v),
     ]
@@ -541,6 +542,34 @@ def _equal_values_note(v: ValidationResult) -> str:
         f" {', '.join(repr(n) for n in names)} hold{'s' if one else ''} integers (class ids, flags): held to the "
         f"share of {'its' if one else 'their'} values equal to the reference's (`min_top1_agreement`) in place of a "
         "cosine, which the table leaves empty."
+    )
+
+
+def scalar_outputs(v: ValidationResult) -> list[str]:
+    """The outputs without a batch axis (a 0-D loss: one value a call), which have neither a cosine nor a share of
+    equal values (:func:`kiln.core.compare.compare_arrays`'s ``whole``), in their order."""
+    validated = [e for e in v.engines if e.status == "validated"]
+    return [
+        n
+        for n in v.baseline.compared
+        if any(
+            n in e.outputs and e.outputs[n].get("cosine") is None and e.outputs[n].get("top1_agreement") is None
+            for e in validated
+        )
+    ]
+
+
+def _scalar_note(v: ValidationResult) -> str:
+    """How the outputs without a batch axis are held, where the table leaves their cosine empty: the cosine of one
+    value is its sign, and with no samples to vary between their relative error is over their norm."""
+    names = scalar_outputs(v)
+    if not names:
+        return ""
+    one = len(names) == 1
+    return (
+        f" {', '.join(repr(n) for n in names)} ha{'s' if one else 've'} no batch axis (one value a call): held to "
+        f"{'its' if one else 'their'} relative error over {'its' if one else 'their'} norm, with no cosine (that of "
+        "one value is its sign), which the table leaves empty."
     )
 
 
