@@ -310,11 +310,17 @@ def in_batches(feed: Mapping[str, np.ndarray], batch: int) -> list[Arrays]:
 
 def run_batched(run: Callable[[Arrays], Mapping[str, np.ndarray]], feed: Arrays, batch: int | None) -> Arrays:
     """``run`` (inputs -> named outputs) on ``feed`` one batch of ``batch`` rows at a time, the outputs joined
-    along their first axis: a graph that fixes its batch answers every row. ``batch`` None: one run."""
+    along their first axis: a graph that fixes its batch answers every row. An output without a batch axis (a
+    batch-level scalar) is stacked, one value a batch. ``batch`` None: one run."""
     if batch is None:
         return dict(run(feed))
     parts = [run(part) for part in in_batches(feed, batch)]
-    return {name: np.concatenate([np.asarray(p[name]) for p in parts]) for name in parts[0]}
+    return {name: _joined([np.asarray(p[name]) for p in parts]) for name in parts[0]}
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """Each batch's output joined along the first axis; 0-D outputs stacked (one value a batch)."""
+    return np.stack(arrays) if arrays[0].ndim == 0 else np.concatenate(arrays)
 
 
 def _only_the_fixed_batch_differs(want: list[int | None], shape: tuple[int, ...]) -> bool:

@@ -252,6 +252,7 @@ def _compared(
     outputs with nothing measured in any of them, and each check's own statistics; ``decisions``: the logits are a
     multi-label head's (:func:`_recorded_decisions`)."""
     axes, out_axes = graph_axes(meta.inputs), graph_axes(meta.outputs)
+    whole = [o.name for o in meta.outputs if not o.shape]  # no batch axis: compared over its norm, stacked or not
     kept: dict[str, OutputStats] = {}
     unmeasured: list[str] = []
     each: list[dict[str, OutputStats]] = []
@@ -268,7 +269,9 @@ def _compared(
             without_padding(feed, ref, axes, out_axes),
             without_padding(feed, got, axes, out_axes),
         )
-        stats = compare_all(unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL, decisions=decisions)
+        stats = compare_all(
+            unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL, decisions=decisions, whole=whole
+        )
         stats = _samples_along_batch(meta, feed_rows(feed), unpadded_ref, unpadded_got, stats)
         each.append(stats)
         kept = merge_worst(kept, stats) if kept else stats

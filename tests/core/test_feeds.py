@@ -155,3 +155,11 @@ def test_integers_given_to_a_float_input_are_told_to_scale_them_too(tmp_path: Pa
     with pytest.raises(InputFileError) as err:
         read_feed(path, spec, "the model")
     assert "scale the values as the model expects" in err.value.hint and "/ 255" not in err.value.hint
+
+
+def test_a_batch_level_scalar_is_stacked_one_value_a_batch() -> None:
+    """A 0-D output (an aux loss over the batch) has no rows to join: one value per batch run."""
+    feed = {"x": np.arange(10, dtype=np.float32)[:, None]}
+    out = run_batched(lambda f: {"y": f["x"] * 2, "loss": np.float32(f["x"].mean())}, feed, 4)
+    assert out["y"].shape == (10, 1) and out["loss"].shape == (3,)
+    assert np.allclose(out["loss"], [1.5, 5.5, 8.5])

@@ -428,3 +428,26 @@ def test_random_inputs_take_the_largest_batch_the_engine_was_validated_for(tmp_p
     assert out.exit_code == 0, out.output
     assert "was validated for batches up to 4" not in " ".join(out.output.split())
     assert json.loads(out.stdout)["batch_sizes"] == [4], out.stdout
+
+
+def test_a_scalar_output_run_in_batches_is_compared_over_its_norm() -> None:
+    """An output without a batch axis, one value a batch once run in batches: its relative error is over its norm
+    (a batch-level value has no spread across samples to measure it against), with no cosine."""
+    import numpy as np
+
+    from kiln.core.records import EngineMetadata, TensorSpec
+    from kiln.stages.validate.direct import _compared
+
+    meta = EngineMetadata.model_construct(
+        inputs=[TensorSpec(name="x", shape=["batch", 2], dtype="float32")],
+        outputs=[
+            TensorSpec(name="y", shape=["batch", 2], dtype="float32"),
+            TensorSpec(name="aux", shape=[], dtype="float32"),
+        ],
+    )
+    rng = np.random.default_rng(0)
+    feed = {"x": rng.random((6, 2), dtype=np.float32)}
+    ref = {"y": feed["x"], "aux": np.array([1.0, 1.01, 0.99], np.float32)}
+    got = {"y": feed["x"], "aux": ref["aux"] * 1.001}
+    kept, _, _ = _compared(meta, [feed], [ref], [got], None)
+    assert kept["aux"].cosine is None and kept["aux"].rel_err == pytest.approx(0.001, rel=1e-2)
