@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any, NamedTuple
 import onnx
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from kiln.core import interrupt
 from kiln.core.data import Inputs, check_axes_name_inputs, input_names, rows, tensors
@@ -89,6 +92,7 @@ def export_with_fallback(
     took = 0.0  # the dynamo exporter's seconds to its failure
     raised: Raised | None = None  # the call torch's error says raised the dynamo exporter's failure
     cause: Cause | None = None  # a library's setting the failure comes from (QAT's fake-quantize, MoE experts)
+    branches: list[str] = []  # where the TorchScript exporter's trace fixed a branch of the user's code
     for dynamo in (True, False) if opset >= 18 else (False,):
         pinned: list[str] = []  # where torch.export fixed a size to the example's
         if dynamo:  # it may trace for minutes before it fails: said, so the time is seen to go there
@@ -96,7 +100,7 @@ def export_with_fallback(
         started = time.perf_counter()
         try:
             with bags_as_lookups(model):  # padded bags as a lookup and a sum, not a Loop over the bags
-                placed = _export(
+                placed, branches = _export(
                     FlatModel(model, example),
                     tuple(tensors(example)),
                     ins,
@@ -124,10 +128,11 @@ def export_with_fallback(
                 log.warning("dynamo exporter failed: %s (%.1f s); trying the TorchScript exporter", refused, took)
     else:
         raise _export_failed(model, example, errors, opset, axes, raised, cause)
+    if fixed:  # before the hint to skip the dynamo exporter, which a refused graph does not need
+        branches = _from_values(model, example, branches) if branches else []
+        refuse_traced_branch(fixed, errors, validation, raised, cause, branches)
     if refused:
         _say_fallback_took(took, time.perf_counter() - started)
-    if fixed:
-        refuse_traced_branch(fixed, errors, validation, raised, cause)
     proto = load_onnx(path)
     _drop_debug_metadata(proto.graph)
     restore_axis_names(proto.graph, {d for a in axes.values() for d in a.values()})
@@ -263,7 +268,21 @@ def error_reason(exc: BaseException) -> str:
     be told."""
     node = _failed_node(exc)
     op = f", converting {node.target}" if node is not None else ""
-    return first_line(root_cause(exc)) + op + _user_location(exc)
+    return _cut(first_line(root_cause(exc), limit=sys.maxsize)) + op + _user_location(exc)
+
+
+# Where a long error line may be cut, best first: after a closed item of a list, between items, between words
+_CUT_AT = ("), ", "], ", ", ", "; ", " ")
+
+
+def _cut(line: str, limit: int = 300) -> str:
+    """``line`` cut to about ``limit`` characters at a separator (:data:`_CUT_AT`), not inside a word or a size
+    (``FakeTensor(..., size=(u0, 32))`` lists run for pages), with `` ...`` saying more was said."""
+    if len(line) <= limit:
+        return line
+    head = line[:limit]
+    end = next((i + len(sep.rstrip()) for sep in _CUT_AT if (i := head.rfind(sep)) > limit // 2), limit)
+    return head[:end].rstrip(",;") + " ..."
 
 
 def _user_location(exc: BaseException | None) -> str:
@@ -317,11 +336,12 @@ def _export(
     opset: int,
     axes: dict[str, dict[int, str]],
     dynamo: bool,
-) -> list[str]:
+) -> tuple[list[str], list[str]]:
     """Export ``model`` to ``path``; returns where the TorchScript exporter's trace turned a tensor into a Python
-    value (``file:line``, the user's code or a library's: :func:`refuse_traced_branch`), or, for dynamo, where
-    torch.export fixed a size to the example's (:func:`_pinned_places`): the exporter keeps such an axis silently
-    where ``axes`` make it dynamic, so only its log tells the line."""
+    value (``file:line``, the user's code or a library's: :func:`refuse_traced_branch`) and where of those the user's
+    code decided a branch with it (:func:`traced_branch`), or, for dynamo, where torch.export fixed a size to the
+    example's (:func:`_pinned_places`) and no branches: the exporter keeps such an axis silently where ``axes`` make
+    it dynamic, so only its log tells the line."""
     kw: dict[str, Any] = dict(input_names=names, output_names=outputs, opset_version=opset, dynamo=dynamo)
     if dynamo:
         # Graph rewriting is the optimize stage's job (verified, reported, reversible per pass), so export raw.
@@ -349,8 +369,9 @@ def _export(
         warnings.simplefilter("always", torch.jit.TracerWarning)
         torch.onnx.export(model, args, str(path), **kw)
     if dynamo:
-        return _pinned_places(guards)
-    return list(dict.fromkeys(place for w in said if (place := traced_value(w))))
+        return _pinned_places(guards), []
+    places = list(dict.fromkeys(place for w in said if (place := traced_value(w))))
+    return places, list(dict.fromkeys(place for w in said if (place := traced_branch(w))))
 
 
 @contextmanager
@@ -413,6 +434,8 @@ def _batch_split(refused: str) -> str:
 # The TorchScript tracer's warning where Python code reads a tensor's value (``if x.sum() > 0``, ``.item()``,
 # ``int(t)``): the trace records the value the example gave as a constant
 _TO_PYTHON = "Converting a tensor to a Python"
+# The same warning where the value is a truth value (``if x.sum() > 0:``): Python decided a branch with it
+_TO_BOOL = "Converting a tensor to a Python boolean"
 # How the dynamo exporter says a Python branch or value depends on the inputs' values
 _DATA_DEPENDENT = ("data-dependent", "data dependent", "DataDependent")
 
@@ -428,6 +451,14 @@ DATA_BRANCH_FIX = f"{_BRANCH_CHANGE}, or {_OWN_EXPORT}"
 SIZE_FROM_VALUES_FIX = f"{_SIZE_CHANGE}; or {_OWN_EXPORT}"
 # How the dynamo exporter says Python code read a tensor's value as a number (a size, a split's counts)
 _SIZE_FROM_VALUES = "extract specialized integer"
+# How the dynamo exporter says an op's output size comes from the inputs' values (nonzero, a boolean mask), where
+# it cannot carry that size out of the code that made it (a torch.cond branch, a graph output)
+_UNBACKED_SIZES = "Pending unbacked symbols"
+DENSE_FIX = (
+    "compute the dense form instead: every row through each path, weighted by a mask or gate (every expert on every "
+    "token, each output times its routing weight, zero where the token is not routed there) rather than rows picked "
+    f"with nonzero, a boolean mask or torch.unique; or {_OWN_EXPORT}"
+)
 
 
 def _data_dependent(dynamo: str) -> bool:
@@ -454,12 +485,79 @@ def traced_value(said: warnings.WarningMessage) -> str:
     return f"{Path(said.filename).name}:{said.lineno}"
 
 
+def traced_branch(said: warnings.WarningMessage) -> str:
+    """``file:line`` where a TracerWarning says the trace turned a tensor into a Python boolean in the user's own
+    code, other than in an ``assert`` (which the graph leaves out, computing the same for every input): a branch
+    decided by the example's values, which the graph would take for every input; else an empty string. A number
+    read (``.item()``, ``int()``: a size, a constant) is not one: :func:`traced_value` tells of those."""
+    if _TO_BOOL not in str(said.message) or not traced_value(said) or not is_user_file(said.filename):
+        return ""
+    if linecache.getline(said.filename, said.lineno).lstrip().startswith("assert"):
+        return ""
+    return f"{Path(said.filename).name}:{said.lineno}"
+
+
+def _from_values(model: nn.Module, example: Inputs, branches: list[str]) -> list[str]:
+    """The places of ``branches`` (:func:`traced_branch`) where the truth value comes from the inputs' values, told
+    by running ``model`` on ``example`` with each tensor computed from an input marked: the trace warns alike where
+    the value comes from the inputs' shapes (``min(0, x.shape[1])``: traced sizes are tensors) or from the weights,
+    which its graph computes for every input."""
+    reads = _ValueReads()
+    flat = FlatModel(model, example)
+    args = tuple(tensors(example))
+    reads.mark(args)
+    with torch.no_grad(), reads:
+        flat(*args)
+    return [b for b in branches if b in reads.places]
+
+
+class _ValueReads(TorchFunctionMode):
+    """Marks each tensor an op computes from a marked one, and collects where the user's code takes the truth
+    value of a marked tensor (``if x.sum() > 0:``), as ``file:line``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marked: dict[int, weakref.ref[torch.Tensor]] = {}  # by id: a tensor's == is elementwise
+        self.places: set[str] = set()
+
+    def mark(self, values: Any) -> None:
+        """Mark the tensors in ``values`` (any nesting) as computed from the inputs."""
+        for t in tree_leaves(values):
+            if isinstance(t, torch.Tensor):
+                self.marked[id(t)] = weakref.ref(t)
+
+    def _is_marked(self, values: Any) -> bool:
+        return any(
+            isinstance(t, torch.Tensor) and (r := self.marked.get(id(t))) is not None and r() is t
+            for t in tree_leaves(values)
+        )
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        marked = self._is_marked((args, kwargs))
+        if marked and func is torch.Tensor.__bool__:
+            self.places.add(_user_place())
+        out = func(*args, **kwargs)
+        if marked:
+            self.mark(out)
+        return out
+
+
+def _user_place() -> str:
+    """``file:line`` of the innermost frame of the running code in the user's files; empty where none is."""
+    frame = sys._getframe(1)
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
+        frame = frame.f_back  # type: ignore[assignment]
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}" if frame is not None else ""
+
+
 def refuse_traced_branch(
     fixed: list[str],
     errors: list[str],
     validation: str = "",
     raised: Raised | None = None,
     cause: Cause | None = None,
+    branches: list[str] | None = None,
 ) -> None:
     """After the dynamo exporter failed, the TorchScript exporter traced the model on its example and fixed the
     values Python code read from tensors at ``fixed``. Where dynamo failed because such a value decides a branch
@@ -468,8 +566,10 @@ def refuse_traced_branch(
     call torch's error says raised it (``raised``) where it names one (a size read where that call takes sizes; the
     user's own export first in the fix where it is a library's code), and the fix of a known ``cause``. Where that
     guard is ``torch.distributions``' argument validation (``validation``: its place), the error says so and how to
-    turn it off, which lets the dynamo exporter through. Otherwise the values may be shapes or constants: said in
-    the log, with the places, since the parity check compares only the data."""
+    turn it off, which lets the dynamo exporter through. Where the user's code turned a tensor into a truth value
+    (``branches``: :func:`traced_branch`), the trace fixed a branch whatever dynamo said, or where it did not run
+    (below opset 18): the same error. Otherwise the values may be shapes or constants: said in the log, with the
+    places, since the parity check compares only the data."""
     dynamo = next((e for e in errors if e.startswith("dynamo")), "")
     named = re.search(r"\(in [\w<>]+\(\) at ([^)]+):(\d+)\)", dynamo)  # the line dynamo's error names
     at = f"{Path(named.group(1)).name}:{named.group(2)}" if named else None
@@ -486,6 +586,8 @@ def refuse_traced_branch(
             "set_default_validate_args(False) in the model factory (or validate_args=False where the distribution is "
             "made); the dynamo exporter then exports the model",
         )
+    if not _data_dependent(dynamo) and branches:
+        _refuse_traced_bool(branches, dynamo, cause)
     if not _data_dependent(dynamo):
         log.warning(
             "the TorchScript exporter fixed values the model's Python code reads from tensors at %s: the graph keeps "
@@ -514,6 +616,22 @@ def refuse_traced_branch(
     if cause:
         raise ModelError(f"{said}; {cause.said}", hint=cause.fix)
     raise ModelError(said, hint=_values_fix(dynamo, raised))
+
+
+def _refuse_traced_bool(branches: list[str], dynamo: str, cause: Cause | None) -> None:
+    """Raise the error of :func:`refuse_traced_branch` for branches the user's code decided from tensors' values at
+    ``branches``, where the dynamo exporter failed otherwise (``dynamo``: its failure) or did not run (empty), in
+    which case the fix's torch.cond needs opset 18, the dynamo exporter's."""
+    places = ", ".join(branches[:3]) + (f" and {len(branches) - 3} more" if len(branches) > 3 else "")
+    why = f" ({dynamo})" if dynamo else ""
+    said = (
+        f"the model decides a branch from its inputs' values at {places}{why}, and the TorchScript exporter traced "
+        "only the branch its example took: the graph would take that branch for every input"
+    )
+    if cause:
+        raise ModelError(f"{said}; {cause.said}", hint=cause.fix)
+    opset = "" if dynamo else " (at export.opset 18 or later, where Kiln runs the dynamo exporter)"
+    raise ModelError(said, hint=f"{_BRANCH_CHANGE}{opset}, or {_OWN_EXPORT}")
 
 
 def _values_fix(dynamo: str, raised: Raised | None) -> str:
@@ -880,8 +998,9 @@ def _export_failed_hint(
     with tensor ops, whatever the TorchScript exporter then failed on (its trace would hold one side of the branch
     only), at the user's line or else the one torch's error names (``raised``); where the model computes with
     complex values (``complex_values``), their rewrite as real ones; below opset 18, where only the TorchScript
-    exporter runs, opset 18 where it lacked an op (the dynamo exporter writes more); else an op ONNX may not
-    express."""
+    exporter runs, opset 18 where it lacked an op (the dynamo exporter writes more); where the dynamo exporter could
+    not carry a size computed from the values (``Pending unbacked symbols``: nonzero inside torch.cond), the dense
+    form; else an op ONNX may not express."""
 
     versions = [int(v) for e in errors for v in re.findall(r"added in (?:opset )?version (\d+)", e)]
     later = max((v for v in versions if v > opset), default=None)
@@ -891,6 +1010,13 @@ def _export_failed_hint(
         fix = BRANCH_FIX if size_branch(line) else FIXED_SIZE_HINT
         return (f"in {line}, where the dynamo exporter fixed the size: " if line else "") + fix
     dynamo = next((e for e in errors if e.startswith("dynamo exporter: ")), "")
+    if _UNBACKED_SIZES in dynamo:
+        named = re.search(r"\(in ([\w<>]+\(\) at [^)]+)\)$", dynamo)
+        at = f", in {named.group(1)}" if named else f", at {raised.place}" if raised else ""
+        return (
+            f"the model computes a size from its inputs' values{at} (nonzero, boolean-mask indexing, torch.unique...), "
+            f"which ONNX export cannot carry here: {DENSE_FIX}"
+        )
     if _data_dependent(dynamo):
         named = re.search(r"\(in ([\w<>]+\(\) at [^)]+)\)$", dynamo)
         at = f", in {named.group(1)}" if named else f", at {raised.place}" if raised else ""
