@@ -100,7 +100,8 @@ def routed_onnx(path: Path) -> Path:
 
 
 def routed_batches(n: int = 3) -> list[dict[str, np.ndarray]]:
-    """``n`` batches of 16 rows, some actions masked (``y`` infinite there), no row routed to the expert."""
+    """``n`` batches of 16 rows, about a third of the actions masked (``y`` infinite there), every row with one legal
+    action at least; no row routed to :func:`routed_onnx`'s expert."""
     rng = np.random.default_rng(1)
     out = []
     for _ in range(n):

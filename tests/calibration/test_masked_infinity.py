@@ -42,17 +42,6 @@ def masked_logits_onnx(path: Path) -> Path:
     return path
 
 
-def _batches(n: int = 3) -> list[dict[str, np.ndarray]]:
-    """``n`` batches of 16 rows, about a third of the actions masked, every row with one legal action at least."""
-    rng = np.random.default_rng(1)
-    out = []
-    for _ in range(n):
-        mask = rng.random((16, 3)) < 0.67
-        mask[np.arange(16), rng.integers(0, 3, 16)] = True
-        out.append({"x": rng.standard_normal((16, 4)).astype(np.float32), "mask": mask})
-    return out
-
-
 @pytest.mark.parametrize(
     "method, symmetric",
     [("entropy", True), ("percentile", True), ("percentile", False), ("minmax", True)],
@@ -60,7 +49,7 @@ def _batches(n: int = 3) -> list[dict[str, np.ndarray]]:
 def test_an_infinite_tensor_is_unbounded_and_the_rest_calibrated(tmp_path: Path, method: str, symmetric: bool) -> None:
     model = masked_logits_onnx(tmp_path / "m.onnx")
     for hit in (False, True):  # the second call reads the cached ranges back: the same, infinity included
-        ranges = calibrate(model, _batches(), "x", method, cache_dir=tmp_path, symmetric=symmetric)
+        ranges = calibrate(model, calib_graphs.routed_batches(), "x", method, cache_dir=tmp_path, symmetric=symmetric)
         assert ranges.cache_hit is hit
         assert ranges.unbounded() == ["y"], {n: td.range_value for n, td in ranges.tensors.items()}
         amax = ranges.amax()
@@ -72,7 +61,7 @@ def test_an_infinite_tensor_is_unbounded_and_the_rest_calibrated(tmp_path: Path,
 def test_precision_keeps_the_masked_node_in_float_under_every_method(tmp_path: Path, method: str) -> None:
     model = masked_logits_onnx(tmp_path / "m.onnx")
     feed = tmp_path / "x.npz"
-    np.savez(feed, **{k: np.concatenate([b[k] for b in _batches(16)]) for k in ("x", "mask")})
+    np.savez(feed, **{k: np.concatenate([b[k] for b in calib_graphs.routed_batches(16)]) for k in ("x", "mask")})
     args = ["precision", str(model), "-o", str(tmp_path / "v"), "--variants", "int8", "--calibration", str(feed)]
     result = CliRunner().invoke(main, [*args, "--set", f"calibration.method={method}"])
     assert result.exit_code == 0, result.output
