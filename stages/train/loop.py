@@ -236,6 +236,21 @@ def _compile_note(c: dict[str, Any]) -> str:
     return note + (" (" + "; ".join(reasons[:3]) + ")" if reasons else "")
 
 
+# torch's BatchNorm on a batch of one row in training mode: no variance to normalise by
+ONE_ROW_BATCHNORM = "Expected more than 1 value per channel when training"
+
+
+def one_row_hint(exc: BaseException) -> str | None:
+    """For BatchNorm refusing a batch of one row: the row is the epoch's last batch on a process (the loader warned
+    which train.batch_size avoids it), not a fault of the model's forward; None for any other error."""
+    if ONE_ROW_BATCHNORM not in str(exc):
+        return None
+    return (
+        "a batch of one row reached BatchNorm, which cannot train on one row: it is the epoch's last batch on a "
+        "process (the warning before names a train.batch_size that leaves none); change train.batch_size"
+    )
+
+
 class _Trainer:
     """State of one run. A class only so the step and the epoch can be short methods sharing it."""
 
@@ -466,6 +481,10 @@ class _Trainer:
         autocast = f" under {self.precision} autocast" if self.precision != "fp32" else ""
         return f"training step {self.result.global_step + 1} (epoch {self.epoch + 1}){autocast}"
 
+    def step_hint(self, exc: BaseException) -> str | None:
+        """A failing step's fix beyond the line it failed at: :func:`one_row_hint`, else :meth:`autocast_hint`."""
+        return one_row_hint(exc) or self.autocast_hint(exc)
+
     def autocast_hint(self, exc: BaseException) -> str | None:
         """For a dtype clash in the user's code under autocast: the ops autocast lowers return bf16/fp16 tensors, and
         a tensor the code makes itself in float32 (``torch.zeros(...)``, ``dtype=x.dtype`` of an input) meets one."""
@@ -542,7 +561,7 @@ class _Trainer:
         self.guard.save()  # evaluation and checkpointing ran since the last step: what a skipped step goes back to
         t0 = time.perf_counter()
         for xb, yb in self.loader:
-            with running_user_code(self.doing, hint=self.autocast_hint, model=True):  # a failure names the step
+            with running_user_code(self.doing, hint=self.step_hint, model=True):  # a failure names the step
                 self._step(xb, yb)
             prof.step()
             if cfg.checkpoint.every_steps and self.result.global_step % cfg.checkpoint.every_steps == 0:
