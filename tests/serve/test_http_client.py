@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
 from kiln.serve.http_client import HttpClient, HttpError, infer_request, shm_tensor
+from tests.serve.json_handler import JsonHandler
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as Triton
     seen: list[tuple[str, dict, int]] = []  # (path, body, client port): what arrived, and over which connection
 
@@ -20,7 +21,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).seen.append((self.path, body, self.client_address[1]))
         if body["inputs"][0]["name"] == "bad":
-            self._send(400, {"error": "unexpected inference input 'bad' for model 'm'"})
+            self.reply(400, {"error": "unexpected inference input 'bad' for model 'm'"})
         elif body["inputs"][0]["name"] == "garbled":  # a length that is no number, and a body after it
             self.wfile.write(b'HTTP/1.1 200 OK\r\nContent-Length: 1 7\r\n\r\n{"error": "x y"}')
         elif body["inputs"][0]["name"] == "text":  # an error whose body is not JSON
@@ -35,18 +36,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"0\r\n\r\n")
         else:
-            self._send(200, {"model_name": "m", "outputs": [{"name": "y", "datatype": "FP32", "shape": [1, 2]}]})
-
-    def _send(self, status: int, answer: dict) -> None:
-        data = json.dumps(answer).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
+            self.reply(200, {"model_name": "m", "outputs": [{"name": "y", "datatype": "FP32", "shape": [1, 2]}]})
 
 
 @pytest.fixture

@@ -4,18 +4,19 @@ HTTP server in this process stands in for Triton's shared-memory and inference r
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from tests.serve.json_handler import JsonHandler
 
 # two client processes of two threads each, tensors in shared memory, for far longer than the test runs
 DRIVER = r"""
@@ -34,7 +35,7 @@ with interrupt.handled():
 """
 
 
-class _Triton(BaseHTTPRequestHandler):
+class _Triton(JsonHandler):
     """Triton's system shared-memory routes (register, unregister, status) and an inference route that refuses each
     request a moment later: the client goes on sending until it is stopped."""
 
@@ -43,7 +44,7 @@ class _Triton(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         with self.state.lock:
-            self._reply(200, [{"name": n} for n in sorted(self.state.registered)])
+            self.reply(200, [{"name": n} for n in sorted(self.state.registered)])
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -55,22 +56,11 @@ class _Triton(BaseHTTPRequestHandler):
                     self.state.seen.add(parts[3])
                 else:
                     self.state.registered.discard(parts[3])
-            return self._reply(200, {})
+            return self.reply(200, {})
         time.sleep(0.02)
         with self.state.lock:
             self.state.requests += 1
-        self._reply(400, {"error": "not a model"})
-
-    def _reply(self, status: int, answer: object) -> None:
-        data = json.dumps(answer).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.reply(400, {"error": "not a model"})
 
 
 @pytest.fixture
