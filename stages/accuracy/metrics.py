@@ -507,7 +507,7 @@ def _detection_outputs(outputs: dict[str, np.ndarray], logits: str | None) -> tu
     if boxes is None and len(fits) > 1:
         raise _ambiguous(fits, "boxes", outputs)
     if boxes is None:
-        raise LabelsMisshaped(f"detection_recall needs labels {BOX_LABELS}")
+        raise ValueError("detection_recall needs boxes [N, K, 4], class scores [N, K, C] and labels [N, M, 5]")
     if named is not None:
         return boxes, named
     rest = [k for k, v in dense.items() if k != boxes and v.shape[:2] == dense[boxes].shape[:2]]
@@ -515,7 +515,7 @@ def _detection_outputs(outputs: dict[str, np.ndarray], logits: str | None) -> tu
     if scores is None and len(rest) > 1:
         raise _ambiguous(rest, "class scores", outputs)
     if scores is None:
-        raise LabelsMisshaped(f"detection_recall needs labels {BOX_LABELS}")
+        raise ValueError("detection_recall needs boxes [N, K, 4], class scores [N, K, C] and labels [N, M, 5]")
     return boxes, scores
 
 

@@ -119,3 +119,11 @@ def test_detection_recall_on_labels_without_a_class_column_says_how_to_shape_the
     hint = raised.value.hint or ""
     assert "[N, M, 5] rows of (class, x1, y1, x2, y2)" in hint and "(-1) on padding rows" in hint, hint
     assert "pick another built-in" not in hint
+
+
+def test_detection_recall_on_outputs_without_boxes_blames_the_outputs_not_the_labels() -> None:
+    """Good labels [N, M, 5] beside outputs with no [N, K, 4] boxes: the outputs are what the metric lacks."""
+    outputs = {"scores": RNG.random((2, 3, 2)).astype(np.float32)}
+    with pytest.raises(ModelError) as raised:
+        resolve_metric("detection_recall", None)(outputs, RNG.random((2, 3, 5)).astype(np.float32))
+    assert "boxes [N, K, 4]" in raised.value.message and "rows of (class" not in (raised.value.hint or "")
