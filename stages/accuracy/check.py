@@ -880,7 +880,7 @@ class Reference:
         self.targets, self.metric = targets, metric
         self.score = None if score is None else score % len(feeds)
         probe = probe_batch(run, feeds[0][1], batch)
-        self.coupled = coupled = batch_coupled(run, feeds[0][1], batch, smallest, probe)
+        self.coupled = coupled = batch_coupled(run, feeds[0][1], batch, smallest, probe) if probe is not None else []
         self.scalars = scalar_outputs(probe)  # no batch axis: stacked one value a call (compare_all's whole)
         refuse_scalar_logits(logits, named, self.scalars, list(probe or {}))
         if coupled:  # compare whole batches only: a last, shorter batch gives those outputs another shape
