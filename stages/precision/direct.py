@@ -36,6 +36,7 @@ from kiln.stages.accuracy.refusal import refusing
 from kiln.stages.precision.audit import refuse_low_precision
 from kiln.stages.precision.gate import GateCheck, session_runner
 from kiln.stages.precision.stage import (
+    FEW_ROWS,
     RANDOM_OFF,
     TOO_LITTLE_HINT,
     PrecisionSettings,
@@ -48,7 +49,6 @@ from kiln.stages.precision.variants import Source, carried_precision
 
 log = logging.getLogger("kiln.precision")
 RANDOM_OFF_HINT = f"give real inputs, --calibration FILE.npz (one array per input): {RANDOM_OFF}"
-FEW_ROWS = 32  # one calibration batch at the default calibration.batch_size: fewer rows are warned about
 # Why the FP32 variant is written though --variants did not ask for it
 BASELINE = (
     "not asked for: your model with its nodes named, the baseline the variants were calibrated and checked against; "

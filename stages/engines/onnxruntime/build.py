@@ -24,6 +24,7 @@ from kiln.core.compare import within_tolerance
 from kiln.core.errors import BuildError
 from kiln.core.inputs import AxisSizes, largest_sizes, random_inputs
 from kiln.core.onnx_io import (
+    QDQ,
     io_specs,
     light_model,
     load_onnx,
@@ -38,6 +39,7 @@ from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_in_model
 from kiln.stages.engines.onnxruntime.autotune import autotune, relevant_knobs
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
 from kiln.stages.engines.onnxruntime.loading import settle_load
+from kiln.stages.precision.audit import INTEGER
 from kiln.stages.precision.fp16 import cast_captured_to_fp32, constants_as_tensors, name_nodes
 from kiln.stages.precision.fp16_select import sequence_values, unconvertible_ops
 
@@ -540,18 +542,7 @@ def graph_has_fp16(model: onnx.ModelProto) -> bool:
 
 # Ops of a quantized graph: Q/DQ pairs (the precision stage's INT8 graph) and ONNX Runtime's integer kernels (its
 # ONNX Runtime CPU graph); QLinear* ops are matched by prefix
-INT8_OPS = {
-    "QuantizeLinear",
-    "DequantizeLinear",
-    "DynamicQuantizeLinear",
-    "MatMulInteger",
-    "ConvInteger",
-    "MatMulIntegerToFloat",
-    "DynamicQuantizeMatMul",
-    "DynamicQuantizeLSTM",
-    "QGemm",
-    "QAttention",
-}
+INT8_OPS = QDQ | INTEGER | {"DynamicQuantizeLinear"}  # a quantized graph's ops (audit's integer ops)
 ALREADY_INT8 = (
     "graph already INT8 (Q/DQ or integer ops): ORT's fusions rewrite it into QOrdered* ops, which have no CPU kernel "
     "(the fusion's check runs on CPU) and run on CUDA only"

@@ -22,7 +22,7 @@ from typing import Any
 
 from kiln.core.errors import BuildError
 
-log = logging.getLogger("kiln.build.tensorrt")
+log = logging.getLogger("kiln.build")  # the stage's own logger: its warnings are said once a run
 
 # (substring of the op or message, hint); the first match wins.
 PARSER_HINTS: list[tuple[str, str]] = [
