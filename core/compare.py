@@ -143,12 +143,11 @@ def compare_arrays(
         equal = float(np.mean(r == g)) if r.size else 1.0
         return OutputStats(_max_abs_err(r, g), _rel_err(r, g), None, equal)
     shared = set_aside(r, g)
+    rf, gf = (r[~shared], g[~shared]) if shared.any() else (r, g)
     if whole or r.ndim == 0:
-        rf, gf = (r[~shared], g[~shared]) if shared.any() else (r, g)
         return OutputStats(_max_abs_err(rf, gf), _rel_err(rf, gf), None, None, levels=count)
     with np.errstate(invalid="ignore"):  # an infinity minus itself: NaN, which is no tie and no agreement
         agreement, ties = (None, None) if count else _top1(r, g, rel_tie, where, shared, binary_at)
-    rf, gf = (r[~shared], g[~shared]) if shared.any() else (r, g)
     sample, row = _worst_sample(sample_cosines(r, g, shared))
     errors = _max_abs_err(rf, gf), _rel_err(rf, gf)
     return OutputStats(*errors, _cosine(rf, gf), agreement, ties, sample, row, levels=count)

@@ -134,12 +134,14 @@ def import_fresh(name: str) -> ModuleType:
         return importlib.import_module(name)
     hashes = {path: hash_file(Path(path)) for path in files}
     loaded = _loaded(files)
-    stale = False
-    for path in files:  # each after what it imports: a reloaded dependent picks up its dependencies' new names
+    stale: list[ModuleType] = []  # each after what it imports: a reloaded dependent picks up its dependencies' names
+    for path in files:
         module = loaded.get(path)
-        stale = stale or (module is not None and _changed_since_loaded(path, hashes[path]))
-        if module is not None and stale:
-            with _no_bytecode():
+        if module is not None and (stale or _changed_since_loaded(path, hashes[path])):
+            stale.append(module)
+    if stale:
+        with _no_bytecode():
+            for module in stale:
                 importlib.reload(module)
     module = importlib.import_module(name)
     _RAN.update({path: hashes[path] for path in _loaded(files)})  # those it loaded for the first time included

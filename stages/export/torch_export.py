@@ -1010,16 +1010,14 @@ def _export_failed_hint(
         fix = BRANCH_FIX if size_branch(line) else FIXED_SIZE_HINT
         return (f"in {line}, where the dynamo exporter fixed the size: " if line else "") + fix
     dynamo = next((e for e in errors if e.startswith("dynamo exporter: ")), "")
+    named = re.search(r"\(in ([\w<>]+\(\) at [^)]+)\)$", dynamo)
+    at = f", in {named.group(1)}" if named else f", at {raised.place}" if raised else ""
     if _UNBACKED_SIZES in dynamo:
-        named = re.search(r"\(in ([\w<>]+\(\) at [^)]+)\)$", dynamo)
-        at = f", in {named.group(1)}" if named else f", at {raised.place}" if raised else ""
         return (
             f"the model computes a size from its inputs' values{at} (nonzero, boolean-mask indexing, torch.unique...), "
             f"which ONNX export cannot carry here: {DENSE_FIX}"
         )
     if _data_dependent(dynamo):
-        named = re.search(r"\(in ([\w<>]+\(\) at [^)]+)\)$", dynamo)
-        at = f", in {named.group(1)}" if named else f", at {raised.place}" if raised else ""
         raised = None if named else raised  # the user's own line: theirs to change
         fix = _values_fix(dynamo, raised)
         if _size_from_values(dynamo) or (raised is not None and raised.sizes()):

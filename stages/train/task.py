@@ -119,7 +119,7 @@ class Task:
         denominator (None: no classes to count). The count is its own, not :meth:`units`: a user loss averages
         over rows, but accuracy over labels per position counts positions. A binary classifier's row is correct
         where its logit's decision (above 0) is its 0/1 label."""
-        if self.kind == "binary" and self.user_loss is None:
+        if self.kind == "binary":
             logit = self.target(out).reshape(len(y)).float()
             return float(((logit > 0) == (y.reshape(len(y)) > 0.5)).sum().item()), float(len(y))
         if y.is_floating_point() or not self.labels:
