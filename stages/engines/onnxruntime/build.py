@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import re
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
@@ -190,7 +191,8 @@ def keep_list_after_fusion(
             lost.append(node)
         else:
             mapped[node] = heir
-    in_fp32 = [n for n in lost if absorbing_op(source, fused, n) in FP32_FUSED_OPS]
+    absorbed_by = absorbing_ops(source, fused)
+    in_fp32 = [n for n in lost if absorbed_by(n) in FP32_FUSED_OPS]
     lost = [n for n in lost if n not in in_fp32]
     if lost:
         log.log(
@@ -215,25 +217,31 @@ FP32_FUSED_OPS = {
 }
 
 
-def absorbing_op(source: onnx.ModelProto, fused: onnx.ModelProto, node: str) -> str | None:
-    """The op type of the fused node that absorbed ``node`` of ``source``: the writer, in ``fused``, of the first
-    tensor downstream of ``node`` that ``fused`` still has (None where none is found)."""
+def absorbing_ops(source: onnx.ModelProto, fused: onnx.ModelProto) -> Callable[[str], str | None]:
+    """A lookup of the op type of the fused node that absorbed a node of ``source``: the writer, in ``fused``, of
+    the first tensor downstream of that node that ``fused`` still has (None where none is found). The graphs'
+    maps are built once, for every node looked up."""
     writer = {o: n.op_type for n in fused.graph.node for o in n.output}
+    by_name = {n.name: n for n in source.graph.node}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in source.graph.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
-    start = next((n for n in source.graph.node if n.name == node), None)
-    queue, seen = list(start.output) if start is not None else [], set()
-    while queue:
-        tensor = queue.pop(0)
-        if tensor in writer:
-            return writer[tensor]
-        if tensor in seen:
-            continue
-        seen.add(tensor)
-        queue += [o for c in consumers.get(tensor, []) for o in c.output]
-    return None
+
+    def absorbing(node: str) -> str | None:
+        start = by_name.get(node)
+        queue, seen = deque(start.output if start is not None else []), set()
+        while queue:
+            tensor = queue.popleft()
+            if tensor in writer:
+                return writer[tensor]
+            if tensor in seen:
+                continue
+            seen.add(tensor)
+            queue.extend(o for c in consumers.get(tensor, []) for o in c.output)
+        return None
+
+    return absorbing
 
 
 def autotune_skip_reason(device: str, cfg: OnnxRuntimeConfig, cuda_here: bool) -> str | None:
