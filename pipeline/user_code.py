@@ -42,11 +42,7 @@ def code_version(module: ModuleType | str) -> str | None:
     """A hash standing for a module's code (given imported, or by name: then found without running it or its
     packages); None when it has no source file (built-in or frozen)."""
     if isinstance(module, str):
-        top, spec = _find_unrun(module)
-        if spec is None or top is None:
-            return None
-        name, origin = module, spec.origin if spec.has_location else None
-        roots = _roots(top.submodule_search_locations, top.origin if top.has_location else None)
+        name, (origin, roots) = module, _unrun_source(module)
     else:
         name, origin = module.__name__, getattr(module, "__file__", None)
         top = sys.modules.get(name.partition(".")[0], module)
@@ -74,6 +70,16 @@ def import_root(module: str) -> str | None:
     else:
         return None
     return None if _installed(folder) else str(folder)
+
+
+def _unrun_source(name: str) -> tuple[str | None, list[Path]]:
+    """The source file of module ``name`` (None without one) and the roots of its top-level package, found without
+    running either."""
+    top, spec = _find_unrun(name)
+    if spec is None or top is None:
+        return None, []
+    origin = spec.origin if spec.has_location else None
+    return origin, _roots(top.submodule_search_locations, top.origin if top.has_location else None)
 
 
 def _find_unrun(name: str) -> tuple[ModuleSpec | None, ModuleSpec | None]:
@@ -188,16 +194,13 @@ def _reloadable(name: str) -> list[str] | None:
     if _kept(name):
         return None
     try:
-        top, spec = _find_unrun(name)
+        origin, roots = _unrun_source(name)
     except (ImportError, ValueError):
         return None
-    if top is None or spec is None or not spec.has_location or not spec.origin:
-        return None
-    roots = _roots(top.submodule_search_locations, top.origin if top.has_location else None)
     roots = [r for r in roots if not _installed(r)]
-    if not roots:
+    if not origin or not roots:
         return None
-    return [os.path.abspath(p) for p in _import_order(Path(spec.origin).absolute(), roots)]
+    return [os.path.abspath(p) for p in _import_order(Path(origin).absolute(), roots)]
 
 
 def _file_of(module: ModuleType | None) -> str | None:
