@@ -8,6 +8,7 @@ engines, so a run never ends with validation rejecting a variant the precision s
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
@@ -1933,6 +1934,34 @@ def accuracy_failures(
                 f"{gates['max_metric_drop']}"
             )
     return fails
+
+
+# Each validated shape (the sizes of its dynamic axes) with the gates it misses on its own
+MissedByShape = list[tuple[dict[str, int], list[str]]]
+
+
+def placed_failure(failure: str, missed: MissedByShape) -> tuple[str, list[dict[str, int]]]:
+    """``failure`` (of the statistics over every shape) said with the shape its value comes from and the other
+    shapes that miss the same gate (``top1_agreement 0.95 < 0.97 at src=4, tgt=1 (and at src=8, tgt=2)``), and
+    those shapes; as it was, with none, where no shape misses it or the shape has no sizes. Validation and the
+    precision stage both place failures with it, so that a variant and its engines are blamed on the same shape."""
+    worst = [point for point, fails in missed if failure in fails]
+    gate = _gate_of(failure)
+    points = worst + [p for p, fails in missed if p not in worst and any(_gate_of(f) == gate for f in fails)]
+    if not points or not points[0]:
+        return failure, []
+    others = f" (and at {'; '.join(_point_said(p) for p in points[1:])})" if points[1:] else ""
+    return f"{failure} at {_point_said(points[0])}{others}", points
+
+
+def _gate_of(failure: str) -> str:
+    """The gate a failure says it missed: its text without the numbers."""
+    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", failure)
+
+
+def _point_said(point: dict[str, int]) -> str:
+    """A shape's sizes in the order its axes were found (``src=4, tgt=1``)."""
+    return ", ".join(f"{k}={v}" for k, v in point.items())
 
 
 def _levels_said(stats: dict[str, Any]) -> str:

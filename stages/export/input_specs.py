@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kiln.core.data import SINGLE_INPUT, Inputs, call, take
+from kiln.core.data import SINGLE_INPUT, Inputs, call, input_names, take
 from kiln.core.errors import ConfigError
 from kiln.core.inputs import random_inputs
 from kiln.core.labels import is_label_name, is_mask_name
@@ -22,7 +22,7 @@ from kiln.models.model_io import dataset_for
 from kiln.models.registry import DEFAULT_DATASET
 from kiln.stages.export.declaration import ExportSettings
 from kiln.stages.export.parity import PARITY_ROWS
-from kiln.stages.train.stage import check_fp32
+from kiln.stages.train.stage import check_fp32, wrong_float_inputs
 
 
 def example_source(specs: list[TensorSpec] | None) -> str:
@@ -87,26 +87,14 @@ def _nhwc_fix(model: nn.Module, specs: list[TensorSpec]) -> str | None:
 
 def _float_dtype_fix(model: nn.Module, specs: list[TensorSpec], example: Inputs) -> str | None:
     """The fix where float inputs ``--input-shape`` gave in another float dtype than the model's weights
-    (``:float16`` for float32 weights) are what it rejects: the model runs once they are in the weights' dtype. None
-    where the weights have no one float dtype, no input is off, or converting them does not make it run."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if len(dtypes) != 1:
+    (``:float16`` for float32 weights) are what it rejects: the model runs once they are in the weights' dtype
+    (:func:`~kiln.stages.train.stage.wrong_float_inputs`). None where the weights have no one float dtype, no input
+    is off, or converting them does not make it run."""
+    found = wrong_float_inputs(model, example)
+    if found is None:
         return None
-    weights = str(next(iter(dtypes))).removeprefix("torch.")
-    off = [s for s in specs if s.dtype.startswith("float") and np.dtype(s.dtype).name != weights]
-    if not off:
-        return None
-    names = {s.name for s in off}
-    dtype = getattr(torch, weights)
-    if isinstance(example, torch.Tensor):
-        x: Inputs = example.to(dtype)
-    else:
-        x = {k: v.to(dtype) if k in names else v for k, v in example.items()}
-    try:
-        with torch.no_grad():
-            call(model, x)
-    except Exception:  # noqa: BLE001 - any failure: the dtype is not (only) what the model rejects
-        return None
+    names, weights = [input_names(model, example)[i] for i in found[0]], str(found[1]).removeprefix("torch.")
+    off = [s for s in specs if s.name in names]
     unnamed = isinstance(example, torch.Tensor)
     shown = " ".join(f"--input-shape {'' if unnamed else s.name + '='}{_flag_dims(s)}:{weights}" for s in off)
     said = ", ".join(f"'{s.name}' {s.dtype}" for s in off)

@@ -8,7 +8,6 @@ gate the engine will face, not at a stricter or looser target of its own.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,14 @@ from kiln.core.records import EngineValidation
 from kiln.core.timing import MIN_ROUNDS, interleave, median_interval, time_calls
 from kiln.stages.accuracy.check import (
     Comparison,
+    MissedByShape,
     Reference,
     accuracy_failures,
     compare_on,
     gated_list,
     gates_for,
     merge_worst,
+    placed_failure,
     summarize,
 )
 from kiln.stages.accuracy.config import GatesConfig
@@ -139,16 +140,12 @@ class GateCheck:
         fails = accuracy_failures(entry, gates, self.ref.accuracy, self.ref.metric, self.ref.metric_value)
         return fails + _extra_failures(entry, extra)
 
-    def _placed(self, failure: str, missed: list[tuple[dict[str, int], list[str]]]) -> str:
+    def _placed(self, failure: str, missed: MissedByShape) -> str:
         """``failure`` (over every shape) with the shape its value comes from, and the other shapes that miss the
         same gate; remembered for :meth:`missed_at`."""
-        worst = [point for point, fails in missed if failure in fails]
-        points = worst + [p for p, fails in missed if p not in worst and any(_gate(f) == _gate(failure) for f in fails)]
-        if not points or not points[0]:
-            return failure
-        placed = f"{failure} at {_sizes(points[0])}"
-        placed += f" (and at {'; '.join(_sizes(p) for p in points[1:])})" if points[1:] else ""
-        self.missed[placed] = points
+        placed, points = placed_failure(failure, missed)
+        if points:
+            self.missed[placed] = points
         return placed
 
     def missed_at(self, failures: list[str]) -> list[dict[str, int]]:
@@ -193,15 +190,6 @@ def _entry(found: Comparison, precision: str, logits: str | None, gates: dict[st
     summarize(entry, found.stats, logits, gated_list(gates), warn=False)  # said by validation, per engine
     entry.accuracy, entry.metric = found.accuracy, found.metric
     return entry
-
-
-def _gate(failure: str) -> str:
-    """The gate a failure says it missed: its text without the numbers."""
-    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", failure)
-
-
-def _sizes(point: dict[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in point.items())
 
 
 def _session_timer(run: Any, feed: Feed) -> Any:

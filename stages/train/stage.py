@@ -513,10 +513,10 @@ def _wants_decoder_inputs(model: nn.Module, x: Any) -> bool:
 
 def _data_fix(model: nn.Module, x: Any, names: list[str], data_ref: str) -> str | None:
     """The fix for probe rows ``x`` the forward failed on where converting some inputs makes it run: the data is
-    then what to change, said as that conversion (:func:`_wrong_float_inputs`, :func:`_integer_values`,
+    then what to change, said as that conversion (:func:`wrong_float_inputs`, :func:`_integer_values`,
     :func:`_channels_last`); None where none does."""
     parts = tensors(x)
-    off = _wrong_float_inputs(model, x)
+    off = wrong_float_inputs(model, x)
     if off is not None:
         wrong, dtype = off
         return _dtype_fix([names[i] for i in wrong], [parts[i].dtype for i in wrong], dtype, data_ref)
@@ -670,10 +670,11 @@ def _shown_names(model: nn.Module, x: Any) -> list[str]:
     return positional[: len(x)] if len(positional) >= len(x) else [str(i) for i in range(len(x))]
 
 
-def _wrong_float_inputs(model: nn.Module, x: Any) -> tuple[list[int], torch.dtype] | None:
+def wrong_float_inputs(model: nn.Module, x: Any) -> tuple[list[int], torch.dtype] | None:
     """The positions of the float inputs of ``x`` whose dtype is not that of the model's floating parameters (a
-    float64 or float16 tensor against float32 weights), with that dtype, where the forward runs once they are given
-    in it: the data's dtype, not the model, is then what failed. None otherwise."""
+    float64 or float16 tensor against float32 weights), with that dtype, where the forward runs (in eval mode) once
+    they are given in it: the inputs' dtype, not the model, is then what failed. None otherwise. Training's probe of
+    the data and ``kiln export``'s of ``--input-shape`` both say a dtype fix from it."""
     dtype, parts = _weights_dtype(model), tensors(x)
     wrong = [i for i, t in enumerate(parts) if t.is_floating_point() and t.dtype != dtype]
     if dtype is None or not wrong:

@@ -23,7 +23,7 @@ import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +49,8 @@ class Task:
     user_loss: LossFn | None = None
     trains: bool = True  # False: it scores a model not trained here (scoring_task), which no loss optimizes
     labels: bool = True  # False: the data has none, and train.loss is called as loss(outputs, None) (label_free)
+    # what :meth:`loss` has checked of the model's output graph once, which every later step's repeats
+    checked: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
 
     def target(self, out: Any) -> torch.Tensor:
         """The output the built-in loss (and accuracy) reads."""
@@ -77,8 +79,16 @@ class Task:
                 return no_loss(out, y)
             return labels.dense_cross_entropy(target.float(), y)
         if self.kind == "binary":
+            self._refuse_sigmoid_once(target)
             return binary_loss(target, y)
         return nn.functional.mse_loss(target.float(), y.float())
+
+    def _refuse_sigmoid_once(self, logit: torch.Tensor) -> None:
+        """:func:`refuse_sigmoid` on the first output whose autograd graph was recorded (under ``torch.no_grad`` none
+        is, and nothing can be told), not on every step: the model's graph ends in the same op at each one."""
+        if "sigmoid" not in self.checked and logit.grad_fn is not None:
+            refuse_sigmoid(logit)
+            self.checked.add("sigmoid")
 
     def loss_input(self, out: Any) -> Any:
         """What train.loss is given: the model's outputs as ``forward`` returns them, the contract of a function of
@@ -250,8 +260,14 @@ def _wrapper(fn: LossFn, read: str, targets: str = "targets") -> str:
 
 def binary_loss(logit: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Binary cross-entropy of a binary classifier's one logit per row (``[N]`` or ``[N, 1]``) against its 0/1 labels
-    (the same rows, either shape). A sigmoid's output is refused: the loss applies the sigmoid itself, and would
-    train on values squeezed into [0.5, 0.73]."""
+    (the same rows, either shape); :meth:`Task.loss` refuses a sigmoid's output first (:func:`refuse_sigmoid`)."""
+    rows_of = len(y)
+    return nn.functional.binary_cross_entropy_with_logits(logit.float().reshape(rows_of), y.float().reshape(rows_of))
+
+
+def refuse_sigmoid(logit: torch.Tensor) -> None:
+    """A binary classifier's output that is a sigmoid's (:func:`squashed_by`) is refused: binary cross-entropy with
+    logits applies the sigmoid itself, and would train on values squeezed into [0.5, 0.73]."""
     if squashed_by(logit) == "sigmoid":
         raise ConfigError(
             "float 0/1 labels with num_classes=2 train the model's one output column as a logit (binary "
@@ -259,8 +275,6 @@ def binary_loss(logit: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             hint="return the logit (no final sigmoid), or set train.loss: torch.nn.functional:binary_cross_entropy "
             "for probabilities",
         )
-    rows_of = len(y)
-    return nn.functional.binary_cross_entropy_with_logits(logit.float().reshape(rows_of), y.float().reshape(rows_of))
 
 
 def task_for(data: DatasetSplits, loss: str | None, logits_output: str | int | None) -> Task:

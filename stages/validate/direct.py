@@ -4,7 +4,6 @@ on the user's inputs (``--inputs x.npz``) or random ones of the engine's declare
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,16 +20,19 @@ from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session,
 from kiln.core.output_names import SINGLE_OUTPUT, logits_name
 from kiln.core.random_ops import RANDOM_HINT
 from kiln.core.records import EngineMetadata, EngineValidation, Percentiles, steps_text, takes_size
+from kiln.core.sample_counts import FEW_ROWS
 from kiln.core.shapes import axis_names, graph_axes, refuse_unknown_axes, resize, shape_points
 from kiln.core.signature import BATCH_AXIS
 from kiln.core.text import FEATURE_NAMES, short_reason
 from kiln.stages.accuracy.check import (
+    MissedByShape,
     accuracy_failures,
     compare_all,
     direct_top1,
     gated_list,
     gates_for,
     merge_worst,
+    placed_failure,
     summarize,
 )
 from kiln.stages.engines.backend import check_feed as check_engine_feed
@@ -44,7 +46,6 @@ from kiln.stages.validate.reference_text import OTHER_MODEL, RANDOM_VALUES, feed
 log = logging.getLogger("kiln.validate")
 
 Feed = dict[str, np.ndarray]
-FEW_ROWS = 32  # --inputs of fewer rows are warned of, as kiln precision warns of few calibration rows
 RANDOM_FIX = "pass --inputs file.npz with concrete arrays"
 
 
@@ -135,7 +136,8 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     entry.shapes = [size for i, size in enumerate(sizes) if size and size not in sizes[:i]]
     _say_unvalidated_ranges(meta, sizes)
     missed = _missed_by_shape(meta, sizes, each, logits, entry.gates)
-    entry.failures = [_placed(f, missed) for f in check_gates(entry, None, entry.gates, max(times))] + unmeasured
+    failures = check_gates(entry, None, entry.gates, max(times))
+    entry.failures = [placed_failure(f, missed)[0] for f in failures] + unmeasured
     entry.passed = not entry.failures
     entry.hints = [NO_FINITE_FIX] if unmeasured else []
     return entry
@@ -285,7 +287,7 @@ def _missed_by_shape(
     each: list[dict[str, OutputStats]],
     logits: str | None,
     gates: dict[str, Any],
-) -> list[tuple[dict[str, int], list[str]]]:
+) -> MissedByShape:
     """The accuracy gates missed at each shape compared (``sizes``: each check's, ``each``: its statistics; the checks
     of one shape at several batch sizes judged together), where there are several shapes: none where there is one."""
     points: list[dict[str, int]] = [p for i, p in enumerate(sizes) if p not in sizes[:i]]
@@ -301,27 +303,6 @@ def _missed_by_shape(
         summarize(there, stats, logits, gated_list(gates), warn=False)  # per shape: the headline warned already
         missed.append((point, accuracy_failures(there, gates, None)))
     return missed
-
-
-def _placed(failure: str, missed: list[tuple[dict[str, int], list[str]]]) -> str:
-    """``failure`` (over every shape) with the shape its value comes from and the other shapes that miss the same
-    gate, as the precision stage places its gates' failures (``top1_agreement 0.95 < 0.97 at src=4, tgt=1``)."""
-    worst = [point for point, fails in missed if failure in fails]
-    gate = _gate(failure)
-    points = worst + [p for p, fails in missed if p not in worst and any(_gate(f) == gate for f in fails)]
-    if not points or not points[0]:
-        return failure
-    placed = f"{failure} at {_point(points[0])}"
-    return placed + (f" (and at {'; '.join(_point(p) for p in points[1:])})" if points[1:] else "")
-
-
-def _gate(failure: str) -> str:
-    """The gate a failure says it missed: its text without the numbers."""
-    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", failure)
-
-
-def _point(sizes: dict[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sizes.items())
 
 
 def batch_axis(meta: EngineMetadata, name: str, shape: tuple[int, ...], rows: int) -> int | None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kiln.core.errors import ModelError
-from kiln.stages.accuracy.check import Reference
+from kiln.stages.accuracy.check import Reference, placed_failure
 
 
 def reference(logits_shape: tuple[int, ...], labels: np.ndarray, named: bool = False) -> Reference:
@@ -711,3 +711,15 @@ def test_one_hot_labels_score_task_accuracy_by_their_argmax() -> None:
     one_hot = np.eye(4, dtype=np.float32)[classes]
     assert accuracy(classes) == accuracy(one_hot) == pytest.approx(12 / 16)
     assert accuracy(one_hot * 0.5) is None  # not one-hot: a regression's targets
+
+
+def test_a_failure_is_placed_at_its_worst_shape_and_the_others_missing_its_gate() -> None:
+    """The shape a failure's value comes from first, then the other shapes missing the same gate at other values,
+    each in the order its axes were found; a failure no shape misses alone, or of one unsized shape, stays as it is."""
+    failure = "top1_agreement 0.9000 < 0.97"
+    missed = [({"src": 8, "tgt": 2}, ["top1_agreement 0.9500 < 0.97"]), ({"src": 4, "tgt": 1}, [failure]), ({}, [])]
+    placed, points = placed_failure(failure, missed)
+    assert placed == f"{failure} at src=4, tgt=1 (and at src=8, tgt=2)"
+    assert points == [{"src": 4, "tgt": 1}, {"src": 8, "tgt": 2}]
+    assert placed_failure("cosine 0.5 < min_cosine 0.99", missed) == ("cosine 0.5 < min_cosine 0.99", [])
+    assert placed_failure(failure, [({}, [failure])]) == (failure, [])

@@ -9,7 +9,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.core.shapes import copy_step
-from kiln.stages.accuracy.check import Reference
+from kiln.stages.accuracy.check import Reference, placed_failure
 from kiln.stages.accuracy.config import GatesConfig
 from kiln.stages.precision.gate import GateCheck, session_runner
 from kiln.stages.precision.stage import at_validated_shapes, uncalibrated
@@ -82,3 +82,14 @@ def test_data_batches_are_calibrated_at_each_validated_shape_they_lack() -> None
     grown = batch["x"][:, :8] + copy_step(batch["x"], 1)  # grown by repeating its values, each copy shifted
     np.testing.assert_allclose(added[1]["x"][:, 16:], grown, rtol=1e-6)
     assert at_validated_shapes([batch], {}, {}) == []
+
+
+def test_a_variant_s_failure_is_placed_as_validation_places_an_engine_s() -> None:
+    """The precision stage places a failure with validation's own wording (:func:`placed_failure`), and remembers
+    the shapes it names for the fallback."""
+    failure = "cosine 0.5000 < min_cosine 0.99"
+    missed = [({"seq": 4}, ["cosine 0.7000 < min_cosine 0.99"]), ({"seq": 8}, [failure])]
+    check = GateCheck(mean_over_seq(), None, GatesConfig(), [2])  # type: ignore[arg-type]
+    placed = check._placed(failure, missed)
+    assert placed == placed_failure(failure, missed)[0] == f"{failure} at seq=8 (and at seq=4)"
+    assert check.missed_at([placed]) == [{"seq": 8}, {"seq": 4}]

@@ -11,6 +11,7 @@ from torch import nn
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.user_errors import UserCodeError
+from kiln.stages.train import task as task_module
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.loop import train
 from kiln.stages.train.task import Task, check_task, task_for
@@ -181,3 +182,24 @@ def test_a_wrapper_is_never_named_like_the_function_it_calls() -> None:
         check_task(Task("regression", None, loss), out, torch.zeros(2, 3), 0, "m")
     assert "def wrapped_loss(outputs, targets): return loss(outputs['logits'], targets)" in err.value.hint
     assert "def loss(" not in err.value.hint
+
+
+def test_the_binary_loss_reads_the_output_s_graph_once_not_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sigmoid refusal walks the output's autograd graph on the first step that records one (a step under
+    no_grad tells nothing), then no more: the model's graph is the same at every step."""
+    walked: list[torch.Tensor] = []
+    monkeypatch.setattr(task_module, "squashed_by", lambda t: walked.append(t))
+    task, y = Task("binary"), torch.tensor([[0.0], [1.0]])
+    with torch.no_grad():
+        task.loss(torch.zeros(2, 1), y)
+    for _ in range(3):
+        task.loss(torch.zeros(2, 1, requires_grad=True) * 2, y)
+    assert len(walked) == 1 and walked[0].grad_fn is not None
+
+
+def test_a_sigmoid_output_is_refused_after_a_step_without_a_graph() -> None:
+    task, y = Task("binary"), torch.tensor([[0.0], [1.0]])
+    with torch.no_grad():
+        task.loss(torch.sigmoid(torch.zeros(2, 1)), y)
+    with pytest.raises(ConfigError, match="sigmoid's output"):
+        task.loss(torch.sigmoid(torch.zeros(2, 1, requires_grad=True)), y)
