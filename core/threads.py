@@ -17,6 +17,9 @@ log = logging.getLogger("kiln.core.threads")
 
 # PyTorch's own thread count while cpu_threads_for_load has lowered it (None: not lowered), for own_threads
 _lowered_from: int | None = None
+# Inside cpu_threads_for_load's block where Kiln chose the count: (cores, PyTorch's own count, the block's first
+# count), for follow_load; None outside one and where the user chose (OMP_NUM_THREADS)
+_chosen: tuple[int, int, int] | None = None
 
 
 def threads_for_load(cores: int, load: float, current: int) -> int:
@@ -37,7 +40,7 @@ def cpu_threads_for_load(say: bool = True) -> Iterator[int | None]:
     import torch
 
     cores, load, current = len(os.sched_getaffinity(0)), os.getloadavg()[0], torch.get_num_threads()
-    global _lowered_from
+    global _lowered_from, _chosen
     threads = threads_for_load(cores, load, current)
     if threads < current:
         torch.set_num_threads(threads)
@@ -48,11 +51,32 @@ def cpu_threads_for_load(say: bool = True) -> Iterator[int | None]:
             cores,
             threads,
         )
+    _chosen = (cores, current, threads)
     try:
         yield threads
     finally:
         torch.set_num_threads(current)
-        _lowered_from = None
+        _lowered_from = _chosen = None
+
+
+def follow_load() -> int | None:
+    """Inside :func:`cpu_threads_for_load`'s block, PyTorch's intra-op threads set again for the load now, never
+    above the block's first count: a long loop (training epochs) that began on an idle machine keeps up with other
+    work that starts later. Costs one ``getloadavg`` where the count stays. Returns the count, or None outside such
+    a block or where the user chose (``OMP_NUM_THREADS``): then nothing changes."""
+    if _chosen is None:
+        return None
+    import torch
+
+    global _lowered_from
+    cores, own, first = _chosen
+    load = os.getloadavg()[0]
+    threads = threads_for_load(cores, load, first)
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+        _lowered_from = own if threads < own else None
+        log.debug("load average now %.1f on %d cores: PyTorch runs on %d thread(s)", load, cores, threads)
+    return threads
 
 
 @contextmanager

@@ -34,6 +34,7 @@ from kiln.stages.engines.dynamic_axes import check_engine_graph
 from kiln.stages.engines.registry import BACKENDS, backend_named
 from kiln.stages.engines.reuse import PreviousBuild, inputs_key
 from kiln.stages.engines.sizes import checked_ranges, probe_graphs, record_checked
+from kiln.stages.engines.tensorrt.errors import gc_pause_held
 from kiln.stages.export.batch_axes import batch_ties, first_axis_names, write_ties
 from kiln.stages.export.declaration import read_axis_steps
 from kiln.stages.precision.audit import (
@@ -345,7 +346,14 @@ def _check_choice(backend: str, device: str, precision: str) -> Any:
 def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
     """Build every (backend, device, precision) engine the config plans for the precision stage's variants. An
     engine whose own inputs are those of an engine in the previous run's build folder is copied from it, not built
-    again (:mod:`kiln.stages.engines.reuse`): a rerun caused by another engine's inputs costs that engine alone."""
+    again (:mod:`kiln.stages.engines.reuse`): a rerun caused by another engine's inputs costs that engine alone.
+    The TensorRT builds share one pause of the garbage collector (:func:`gc_pause_held`): one full collection a
+    stage, not one a build."""
+    with gc_pause_held():
+        return _build_all(ctx)
+
+
+def _build_all(ctx: StageContext[BuildSettings]) -> BuildSummary:
     cfg = ctx.config.build
     root = ctx.inputs["precision"]
     record = Variants.read(root / "variants.json", hint="run `kiln run --from precision`")

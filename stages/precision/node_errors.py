@@ -19,6 +19,9 @@ from kiln.stages.precision.fp16_select import INDEX_OPS
 SAMPLES = 16  # every node output is held in memory at once: a few samples show where error starts
 CHUNK = 256  # tensors compared per run: a large graph is run several times rather than holding them all
 DIVERGENCE = 1e-2  # a node output 1% off FP32 (relative L2) counts as diverged
+NAMED_NODES = 40  # a graph of at most this many nodes has their names under the axis, a larger one numbers
+NAME_CHARS = 48  # a longer node name is cut to its last characters under the axis
+NAME_INCH = 0.05  # the length of one character of a name at the ticks' 6 pt, in inches (DejaVu Sans, with room)
 
 
 def graph_order(fp32: onnx.ModelProto) -> list[tuple[str, str]]:
@@ -65,6 +68,11 @@ def first_divergence(
     return None
 
 
+def _tick_name(node: str) -> str:
+    """A node's name as a tick label: a long one keeps its end (the op and layer), which tells nodes apart."""
+    return node if len(node) <= NAME_CHARS else "…" + node[-(NAME_CHARS - 1) :]
+
+
 def plot_node_errors(
     order: list[tuple[str, str]], curves: dict[str, list[float]], path: Path, kept: dict[str, set[str]] | None = None
 ) -> Path:
@@ -74,7 +82,10 @@ def plot_node_errors(
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # files only, no display, no pyplot state
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(min(4 + 0.12 * len(order), 16), 4.5))
+    names = [_tick_name(n) for n, _ in order] if len(order) <= NAMED_NODES else []
+    # node names under the axis: the figure grows by their length, leaving the plot its height
+    below = NAME_INCH * max(map(len, names), default=0)
+    fig = Figure(figsize=(min(4 + 0.12 * len(order), 16), 4.5 + below))
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     xs = np.arange(len(order))
@@ -91,11 +102,11 @@ def plot_node_errors(
     ax.set_ylabel("relative L2 error vs FP32")
     ax.set_title("Per-node error of each precision variant")
     ax.legend(fontsize=8)
-    if len(order) <= 40:  # node names under the axis: margins fitted to them
-        ax.set_xticks(xs, [n for n, _ in order], rotation=90, fontsize=6)
-        fig.tight_layout()
-    else:  # numbers only: fixed margins (fitting them measures every label's text, a quarter second)
-        fig.subplots_adjust(left=0.07 * 16 / fig.get_figwidth(), right=0.99, bottom=0.12, top=0.92)
+    if names:  # else the node numbers matplotlib picks
+        ax.set_xticks(xs, names, rotation=90, fontsize=6)
+    # fixed margins, in inches: fitting them (tight_layout) measures every label's text, most of the render's time
+    width, height = fig.get_size_inches()
+    fig.subplots_adjust(left=0.9 / width, right=1 - 0.1 / width, bottom=(0.55 + below) / height, top=1 - 0.4 / height)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})  # same curves, same bytes
     write_bytes_atomic(path, buf.getvalue())

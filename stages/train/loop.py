@@ -32,6 +32,7 @@ from kiln.core.errors import InputFileError, TrainingError
 from kiln.core.outputs import flatten_outputs
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.text import fmt
+from kiln.core.threads import follow_load
 from kiln.core.user_errors import running_user_code
 from kiln.models.model_io import load_weights
 from kiln.stages.train import checkpoint as ckpt
@@ -554,6 +555,7 @@ class _Trainer:
 
     def _epoch(self, prof: Any) -> EpochMetrics:
         cfg, epoch = self.cfg, self.epoch
+        follow_load()  # the CPU threads Kiln chose for the stage, set again for the load now (others' work varies)
         self.sampler.set_position(epoch, self.step_in_epoch * self.local_batch)
         if not self.acc:
             self.acc = {"loss": 0.0, "seen": 0.0, "samples": 0.0, "secs": 0.0, "skipped": 0.0, "nonfinite": 0.0}

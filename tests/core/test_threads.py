@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.core import threads
-from kiln.core.threads import cpu_threads_for_load, own_threads, threads_for_load
+from kiln.core.threads import cpu_threads_for_load, follow_load, own_threads, threads_for_load
 
 
 @pytest.mark.parametrize(
@@ -63,5 +63,32 @@ def test_timing_runs_torch_on_its_own_threads_inside_a_lowered_block(monkeypatch
             assert torch.get_num_threads() == 1
         with own_threads() as timed:  # nothing lowered: nothing changes
             assert timed == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_follow_load_sets_the_count_for_the_load_now_within_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _: {0, 1})
+    load = [0.0]
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (load[0], 0.0, 0.0))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert follow_load() is None  # outside a block: Kiln chose nothing
+        with cpu_threads_for_load() as n:
+            assert n == 2
+            load[0] = 9.0
+            assert follow_load() == 1 and torch.get_num_threads() == 1
+            with own_threads() as timed:  # timing still gets PyTorch's own count
+                assert timed == 2
+            assert torch.get_num_threads() == 1
+            load[0] = 0.0
+            assert follow_load() == 2 and torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 2 and follow_load() is None
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
+        with cpu_threads_for_load() as n:
+            load[0] = 9.0
+            assert n is None and follow_load() is None and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

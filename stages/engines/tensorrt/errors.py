@@ -110,6 +110,8 @@ def _logger_class(trt: ModuleType) -> type:
 _gc_lock = threading.RLock()
 _gc_pauses = 0
 _gc_was_enabled = True
+_gc_holds = 0  # open gc_pause_held blocks
+_gc_hold_taken = False  # whether they hold a pause (taken by the first build inside them)
 
 
 @contextmanager
@@ -122,7 +124,45 @@ def gc_paused_for_tensorrt() -> Iterator[None]:
     seen with TensorRT-RTX 1.7 in ``trt.Builder(logger)`` (a second builder, whose creation logs a warning).
     So the collector is off while any TensorRT build or load runs in this process (a count, since builds
     may run in threads), and garbage is collected when none is running, when no TensorRT lock can be held.
-    Reference counting frees everything that is not in a cycle as usual."""
+    Reference counting frees everything that is not in a cycle as usual. Inside :func:`gc_pause_held`, the first
+    pause lasts until that block ends, so its later builds start without a collection of their own."""
+    global _gc_hold_taken
+    with _gc_lock:
+        _start_pause()
+        if _gc_holds and not _gc_hold_taken:
+            _start_pause()  # the block's own pause, ended when the block ends
+            _gc_hold_taken = True
+    try:
+        yield
+    finally:
+        _end_pause()
+
+
+@contextmanager
+def gc_pause_held() -> Iterator[None]:
+    """Hold the collector's pause from the first TensorRT build in the block to the block's end.
+
+    A full collection is slow in a process that has loaded torch (it visits every tracked object); a stage that
+    builds several engines one after another pays it once, not once a build. The collector stays off between those
+    builds too (other work in the block runs without cyclic collection until it ends), so no collection can start
+    inside a later build's logger callback; garbage is collected when the first build starts, as
+    :func:`gc_paused_for_tensorrt` does. A block that builds no TensorRT engine collects nothing."""
+    global _gc_holds, _gc_hold_taken
+    with _gc_lock:
+        _gc_holds += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_holds -= 1
+            release = _gc_holds == 0 and _gc_hold_taken
+            if release:
+                _gc_hold_taken = False
+                _end_pause()
+
+
+def _start_pause() -> None:
+    """Count one more pause; the first collects the garbage and turns the collector off."""
     global _gc_pauses, _gc_was_enabled
     with _gc_lock:
         if _gc_pauses == 0:
@@ -130,13 +170,15 @@ def gc_paused_for_tensorrt() -> Iterator[None]:
             gc.collect()
             gc.disable()
         _gc_pauses += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pauses -= 1
-            if _gc_pauses == 0 and _gc_was_enabled:
-                gc.enable()
+
+
+def _end_pause() -> None:
+    """Count one pause less; the last turns the collector back on if it was on when the first began."""
+    global _gc_pauses
+    with _gc_lock:
+        _gc_pauses -= 1
+        if _gc_pauses == 0 and _gc_was_enabled:
+            gc.enable()
 
 
 _stdout_lock = threading.Lock()

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kiln.stages.engines.tensorrt.errors import gc_paused_for_tensorrt
+from kiln.stages.engines.tensorrt.errors import gc_pause_held, gc_paused_for_tensorrt
 
 
 class _Cycle:
@@ -65,3 +65,27 @@ def test_overlapping_builds_in_threads_keep_it_off_until_the_last_ends() -> None
     first_done.set()
     t.join()
     assert seen == {"second, after the first ended": False} and gc.isenabled()
+
+
+def test_a_held_pause_collects_once_for_several_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    collections: list[int] = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(1) or real(*a))
+    with gc_pause_held():
+        assert collections == [] and gc.isenabled()  # nothing built yet: no collection, the collector on
+        for _ in range(3):
+            with gc_paused_for_tensorrt():
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # off between the builds, as inside them
+    assert collections == [1] and gc.isenabled()
+    with gc_paused_for_tensorrt():  # outside the block, a build pauses (and collects) on its own again
+        pass
+    assert collections == [1, 1] and gc.isenabled()
+
+
+def test_a_held_pause_ends_with_its_block_after_an_error() -> None:
+    with pytest.raises(RuntimeError):
+        with gc_pause_held():
+            with gc_paused_for_tensorrt():
+                raise RuntimeError("build failed")
+    assert gc.isenabled()
