@@ -26,6 +26,11 @@ log = logging.getLogger("kiln.build")  # the stage's own logger: its warnings ar
 
 # (substring of the op or message, hint); the first match wins.
 PARSER_HINTS: list[tuple[str, str]] = [
+    (
+        "type UInt8",
+        "TensorRT takes uint8 only into a cast: convert the input to float first thing in forward "
+        "(x.float() before permute/reshape), or feed float32; the onnxruntime backend runs the graph as it is",
+    ),
     ("build-time constant", "run the optimize stage (fold_constants) so shape/axes inputs become constants"),
     (
         "DequantizeLinear",

@@ -51,3 +51,11 @@ def test_a_zero_point_refusal_names_the_qat_qconfig_too() -> None:
     not only onnxruntime.quantization's options."""
     hint = parser_hint("QuantizeLinear", "Assertion failed: zero point must be 0")
     assert "qscheme=torch.per_tensor_symmetric" in hint and "ActivationSymmetric" in hint
+
+
+def test_a_uint8_tensor_refused_by_an_op_is_told_to_cast_first() -> None:
+    """Raw decoded frames (uint8) permuted before the model's own cast: no optimize pass or opset helps."""
+    desc = "first input has type UInt8 but must have type Float, Half, BFloat16, Int32, Int64"
+    hint = parser_hint("Transpose", desc)
+    assert "x.float()" in hint and "onnxruntime backend" in hint
+    assert "opset" not in hint and "optimize" not in hint
