@@ -40,6 +40,9 @@ class StageSettings:
     signature without its other keys, see :meth:`kiln.core.sections.Section.only`)."""
 
     SOURCES: ClassVar[dict[str, str | tuple[str, ...]]] = {}
+    # Field -> a function of the settings whose value keys the stage's cache in place of the field's config keys:
+    # what the stage makes of them, so a change the stage cannot see leaves it cached
+    KEY_VIEWS: ClassVar[dict[str, Callable[[Any], Any]]] = {}
 
     @classmethod
     def sources(cls) -> dict[str, tuple[str, ...]]:

@@ -251,10 +251,9 @@ def cache_key(
     for up in stage.inputs:
         m = read_manifest(workdir / up)
         inputs[up] = handed_on(m) if m else None
-    sources = tuple(stage.settings.keys())
     parts = {
         "code": hash_source(*stage.code),
-        "config": {s: config_value(config, s) for s in sources},
+        "config": config_parts(stage, config),
         "inputs": inputs,
         "env": stage.env(settings_for(stage, config)),
     }
@@ -293,9 +292,24 @@ def user_parts(stage: Stage, config: KilnConfig, code: bool = True) -> dict[str,
     """The parts of ``stage``'s key the user sets: its config sections and their code (``user_code``; ``code``
     False: not hashed), as the manifest keeps them. Read without the data or any upstream output: what tells
     whether a stage's folder is what this config would make of the same inputs."""
-    sources = tuple(stage.settings.keys())
-    user = user_code(config, sources) if code else {}
-    return {"config": {s: config_value(config, s) for s in sources}} | ({"user_code": user} if user else {})
+    user = user_code(config, tuple(stage.settings.keys())) if code else {}
+    return {"config": config_parts(stage, config)} | ({"user_code": user} if user else {})
+
+
+def config_parts(stage: Stage, config: KilnConfig) -> dict[str, Any]:
+    """The config part of ``stage``'s key: each run config key its settings read, as JSON. A field the settings
+    key by what the stage makes of it (``KEY_VIEWS``: field -> function of the settings; the precision stage's
+    gates as each variant is held to them) is keyed as that, under the section its keys share, in place of its
+    keys: a change the view does not see leaves the stage cached."""
+    views = stage.settings.KEY_VIEWS
+    settings = settings_for(stage, config) if views else None
+    out: dict[str, Any] = {}
+    for name, keys in stage.settings.sources().items():
+        if name in views:
+            out[keys[0] if len(keys) == 1 else keys[0].rpartition(".")[0]] = views[name](settings)
+        else:
+            out |= {k: config_value(config, k) for k in keys}
+    return out
 
 
 def user_code(config: KilnConfig, sections: tuple[str, ...]) -> dict[str, str]:

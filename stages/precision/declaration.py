@@ -3,8 +3,9 @@ key's environment. Torch-free and ONNX-free, so a run that finds the stage cache
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 
@@ -22,6 +23,19 @@ from kiln.stages.precision.report import report_section
 # them reruns validation alone
 VALIDATE_ONLY_GATES = ("max_latency_p50_ms",)
 PRECISION_GATES = tuple(f"validate.gates.{g}" for g in GatesConfig.model_fields if g not in VALIDATE_ONLY_GATES)
+
+
+def variant_gates(settings: PrecisionSettings) -> dict[str, dict[str, Any]]:
+    """The gates each variant precision judges is held to, by precision: the section with that precision's
+    ``per_precision`` overrides merged in, as :func:`kiln.stages.accuracy.check.gates_for` merges them (everything
+    it reads, here without the numpy that module loads: the key is computed on every run, a cached one included).
+    The FP32 variant is the optimized graph itself, judged by no gate here: its gates are validation's alone."""
+    out = {}
+    for precision in dict.fromkeys(settings.precision.variants):
+        if precision != "fp32":
+            gates = settings.gates.model_dump(mode="json")
+            out[precision] = gates | gates.pop("per_precision").get(precision, {})
+    return out
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,9 @@ class PrecisionSettings(StageSettings):
         "gates": PRECISION_GATES,
         "held_out": ("validate.metric", "validate.metric_higher_is_better", "validate.max_samples"),
     }
+    # the key holds the gates as each variant made is held to them (:func:`variant_gates`), not the raw section: a
+    # gate no variant of the run reads (the FP32 one, where FP16 and INT8 have their own) leaves precision cached
+    KEY_VIEWS: ClassVar[dict[str, Callable[[Any], Any]]] = {"gates": variant_gates}
     seed: int
     model: ModelConfig
     data: DataConfig

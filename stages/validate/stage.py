@@ -11,7 +11,8 @@ import ast
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -265,8 +266,7 @@ def time_interleaved(
     the timing went (rounds, the load around it, whether the machine was too busy to time)."""
     out: dict[str, dict[str, Percentiles]] = {name: {} for name in contenders}
     load_before = os.getloadavg()[0]
-    # PyTorch's baselines on the threads the engines get, not those a busy machine left the rest of the run
-    with ctx.progress.task("timing (interleaved rounds)", total=len(sizes)) as bar, own_threads() as threads:
+    with ctx.progress.task("timing (interleaved rounds)", total=len(sizes)) as bar, timing_threads() as (threads, why):
         for bs in sizes:
             timers = {name: t[bs] for name, t in contenders.items() if bs in t}
             if timers:
@@ -282,6 +282,7 @@ def time_interleaved(
         "rounds": max(run) if run else cfg.rounds,  # what ran: at least MIN_ROUNDS, fewer than asked once spent
         "cpus": os.cpu_count(),
         "torch_threads": threads,
+        **({"torch_threads_reason": why} if why else {}),
         "load_before": round(load_before, 2),
         "load_after": round(os.getloadavg()[0], 2),
         "median_spread": median_spread,
@@ -296,6 +297,32 @@ def time_interleaved(
             info["cpus"],
         )
     return out, info
+
+
+# what the ONNX Runtime engines timed beside a baseline on the lowered threads run on
+ORT_THREADS = (
+    "ONNX Runtime's CPU engines keep their sessions' own threads (build.onnxruntime intra_op_threads; 0: one per "
+    "physical core)"
+)
+
+
+@contextmanager
+def timing_threads() -> Iterator[tuple[int, str | None]]:
+    """PyTorch's threads for the interleaved timing, and why where they are not its own. On a machine with idle
+    cores, its own count (:func:`own_threads`): a baseline on fewer threads than an ONNX Runtime engine's session
+    would credit the engine with the difference. Where the run lowered the count for the load
+    (:func:`~kiln.core.threads.cpu_threads_for_load`), the lowered count: each thread beyond the cores the load
+    leaves waits for a time slice at every operator, so a baseline timed on them measures the load, not PyTorch,
+    and every speedup over it is that wait."""
+    lowered = torch.get_num_threads()
+    with own_threads() as full:
+        if full <= lowered:
+            yield full, None
+            return
+        torch.set_num_threads(lowered)  # own_threads puts the lowered count back after the block, as it found it
+        load = f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        why = f"the load ({load}) left PyTorch {lowered} of its {full} threads, and its baselines were timed on those"
+        yield lowered, f"{why}; {ORT_THREADS}"
 
 
 def takes_shape(meta: EngineMetadata, feed: dict[str, np.ndarray]) -> bool:
