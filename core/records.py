@@ -4,6 +4,9 @@ precision variants (``variants.json``) and validation results (``validation.json
 Each file is written and read through its record only, so a renamed or mistyped key fails where it is written,
 not at some later read. A damaged, foreign or older file is refused with a clear message (``read``), never
 half-understood. ``SCHEMA_VERSION`` changes when a field changes meaning.
+
+A record's validator is built when it first reads or writes (``defer_build``), not when this module is imported:
+opening one engine uses a few of these records, a run's stages others.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ IntRange = list[int] | list[list[int]]
 class Record(BaseModel):
     """A JSON file Kiln writes and later reads back. Unknown keys are refused: they mean another writer."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     schema_version: int = SCHEMA_VERSION
 
     def write(self, path: Path) -> None:
@@ -70,7 +73,7 @@ class Summary(BaseModel):
     """What a stage says about its run: kept in its manifest and report.json, read back typed (a cached stage's
     too). ``status`` is ``skipped`` when the stage had nothing to do (training with a checkpoint given)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
     status: Literal["ran", "skipped"] = "ran"
 
@@ -82,7 +85,7 @@ class Summary(BaseModel):
 class Part(BaseModel):
     """A nested part of a record (strict too)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
 
 # ----------------------------------------------------------------------------------------------- engine metadata

@@ -21,9 +21,13 @@ class Section(BaseModel):
     """A config section. Unknown keys are rejected so typos fail loudly instead of being ignored. NaN and
     infinities are refused in every float: any comparison with NaN is false, so ``min_cosine: .nan`` would
     switch a gate off without a word. A boolean is refused where a number is due, in lists and mappings too
-    (pydantic would read ``epochs: true`` as 1), unless the key also takes booleans."""
+    (pydantic would read ``epochs: true`` as 1), unless the key also takes booleans.
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    Each section's validator is built when it first validates (``defer_build``), not when its module is imported:
+    code that only needs a section's class (opening a packaged engine imports every backend's config section)
+    does not pay for building them."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, defer_build=True)
 
     @field_validator("*", mode="before")
     @classmethod

@@ -1,11 +1,13 @@
 """``kiln``: thin click commands over :mod:`kiln.pipeline.api`. No logic lives here beyond parsing and printing.
 
 A command imports what it runs when it runs (the pipeline, a stage's direct mode, the server): ``kiln --help``,
-``kiln config`` and a config's error load neither torch nor ONNX (``tests/kiln/test_cli_imports.py``)."""
+``kiln config`` and a config's error load neither torch nor ONNX, and help loads neither YAML nor rich, which only
+the commands that print through them import (``tests/kiln/test_cli_imports.py``)."""
 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import logging
 import math
@@ -19,14 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-import yaml
-from rich.console import Console
-from rich.logging import RichHandler
-from rich.markup import escape
-from rich.table import Table
 
 from kiln.core import interrupt
-from kiln.core.artifacts import output_folder
 from kiln.core.errors import (
     ConfigError,
     GateFailure,
@@ -43,6 +39,9 @@ from kiln.pipeline.stage_list import STAGE_NAMES, stage_named
 from kiln.stages.engines import BACKEND_NAMES
 
 if TYPE_CHECKING:  # the config schema (pydantic, every stage's settings) loads when a command reads a config
+    from rich.console import Console
+    from rich.table import Table
+
     from kiln.pipeline.config import KilnConfig
 
 
@@ -65,20 +64,62 @@ def _discard(stream: Any) -> None:
         pass
 
 
-class _Console(Console):
-    """A console whose reader may go away: `kiln run | head -2` keeps the lines it wanted and the command runs
-    to its own end (its exit code, its error on stderr), where rich's own would exit 1 at once, saying nothing."""
+@functools.cache
+def _console_class() -> type[Console]:
+    """Rich's console, subclassed on first use: rich is imported by the commands that print through it, not by
+    ``kiln --help`` (``tests/kiln/test_cli_imports.py``)."""
+    from rich.console import Console
 
-    def on_broken_pipe(self) -> None:
-        self.quiet = True
-        _discard(self.file)
+    class _Console(Console):
+        """A console whose reader may go away: `kiln run | head -2` keeps the lines it wanted and the command runs
+        to its own end (its exit code, its error on stderr), where rich's own would exit 1 at once, saying nothing."""
 
-    def print(self, *objects: Any, soft_wrap: bool | None = None, **kwargs: Any) -> None:
-        """Rich's print; on a stderr that is no terminal (a pipe, a CI log), one message is one line, as the log
-        lines are (:class:`_PlainHandler`), where rich would wrap it at 80 columns and break grep."""
-        if soft_wrap is None and self.stderr and not self.is_terminal:
-            soft_wrap = True
-        super().print(*objects, soft_wrap=soft_wrap, **kwargs)
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            _discard(self.file)
+
+        def print(self, *objects: Any, soft_wrap: bool | None = None, **kwargs: Any) -> None:
+            """Rich's print; on a stderr that is no terminal (a pipe, a CI log), one message is one line, as the log
+            lines are (:class:`_PlainHandler`), where rich would wrap it at 80 columns and break grep."""
+            if soft_wrap is None and self.stderr and not self.is_terminal:
+                soft_wrap = True
+            super().print(*objects, soft_wrap=soft_wrap, **kwargs)
+
+    return _Console
+
+
+def _kept(name: str, make: Callable[[], Console]) -> Console:
+    """The module attribute ``name``, made on first use and kept there, where a test may put a console of its own."""
+    if name not in globals():
+        globals()[name] = make()
+    return globals()[name]
+
+
+def _console() -> Console:
+    """Logs, progress, errors (one line a message where piped: ``_Console.print``): ``kiln.cli.console``."""
+    return _kept("console", lambda: _console_class()(stderr=True))
+
+
+def _results() -> Console:
+    """What a command answers: tables, JSON, the paths it wrote (stdout: `kiln run | tee` keeps it):
+    ``kiln.cli.results``."""
+    return _kept("results", lambda: _console_class()(width=_width(sys.stdout)))
+
+
+def __getattr__(name: str) -> Any:
+    """``console`` and ``results``, the two consoles, made when first read (PEP 562)."""
+    made = {"console": _console, "results": _results}.get(name)
+    if made is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return made()
+
+
+def escape(text: str) -> str:
+    """``text`` with rich's markup escaped: messages quote shapes like [batch, 3, 8, 8], which rich would take for
+    markup and drop."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
 
 
 def _answer(text: str, nl: bool = True) -> None:
@@ -89,9 +130,6 @@ def _answer(text: str, nl: bool = True) -> None:
         _discard(sys.stdout)
 
 
-console = _Console(stderr=True)  # logs, progress, errors (one line a message where piped: _Console.print)
-# what a command answers: tables, JSON, the paths it wrote (stdout: `kiln run | tee` keeps it)
-results = _Console(width=_width(sys.stdout))
 STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow", "failed": "bold red", "not-run": "dim"}
 
 
@@ -269,11 +307,11 @@ def _cwd_gone() -> KilnError | None:
 def _fail(ctx: click.Context, exc: KilnError) -> None:
     detail = getattr(exc, "detail", "")  # the user's code's traceback (UserCodeError): with --verbose only
     if detail and ctx.params.get("verbose"):
-        console.print(detail.rstrip(), highlight=False, soft_wrap=True, markup=False)
+        _console().print(detail.rstrip(), highlight=False, soft_wrap=True, markup=False)
     # escape: messages quote shapes like [batch, 3, 8, 8], which rich would take for markup and drop
-    console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
+    _console().print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
     if exc.hint:
-        console.print(f"[bold]fix:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
+        _console().print(f"[bold]fix:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
     ctx.exit(exc.exit_code)
 
 
@@ -353,10 +391,12 @@ def _setup_logging(quiet: bool, verbose: int) -> None:
     """Kiln's log lines, and the libraries' (warnings.warn and their loggers), through one handler: nothing
     raw on stderr, and known noise demoted to debug. Warnings and errors by default (the progress bars and the
     answer say the rest); ``-v`` each stage's log lines, ``-vv`` debug logging, the libraries' included."""
+    from rich.logging import RichHandler
+
     level = logging.WARNING if quiet or not verbose else (logging.INFO if verbose == 1 else logging.DEBUG)
     handler: logging.Handler = (
-        RichHandler(console=console, show_path=False, show_time=False, markup=False)
-        if console.is_terminal
+        RichHandler(console=_console(), show_path=False, show_time=False, markup=False)
+        if _console().is_terminal
         else _PlainHandler()
     )
     handler.addFilter(_ThirdParty(level))
@@ -595,13 +635,15 @@ def _say_what_changed(records: list[Any]) -> None:
     for r in records:
         own = [part for part in getattr(r, "changed", []) if not part.startswith("inputs")]
         if r.status == "ran" and own:
-            console.print(f"{escape(r.name)} ran again: changed since the last run: {escape(', '.join(own))}")
+            _console().print(f"{escape(r.name)} ran again: changed since the last run: {escape(', '.join(own))}")
             return
 
 
 def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
     """The run's answer on stdout, within 80 columns: each stage's status and time, each engine's accuracy against
     the reference, then its latency at the largest batch size."""
+    from rich.table import Table
+
     from kiln.pipeline.report import fmt as _fmt
     from kiln.pipeline.report import result_line, seconds_cell, validation_of
 
@@ -613,17 +655,17 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
         style = STATUS_STYLE.get(r.status, "")
         seconds = seconds_cell(stages[r.name]) if r.name in stages else f"{r.seconds:.2f}"
         table.add_row(r.name, f"[{style}]{r.status}[/]", seconds)
-    results.print(table)
+    _results().print(table)
     if "wall_seconds" in report:  # the rows leave out the cache checks (the first loads the data)
-        results.print(
+        _results().print(
             f"{report['wall_seconds']:.2f} s in all, {report.get('check_seconds', 0.0):.2f} s of it checking which "
             "stages are cached"
         )
     _say_what_changed(result.records)
     v = validation_of(report)
     if v:
-        results.print(_accuracy_table(v, _fmt))
-        results.print(_latency_table(v))
+        _results().print(_accuracy_table(v, _fmt))
+        _results().print(_latency_table(v))
         _print_unvalidated(v.engines)
     # the precision stage's outcome where this command ran it (or found it cached): a one-stage command before it
     # (kiln export) does not repeat an earlier run's
@@ -636,10 +678,10 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
             if why.startswith(f"{name} not made")
             else "[bold red]precision variant {} failed[/]"
         )
-        console.print(f"{said.format(escape(name))}, the others were built: {escape(why)}")
+        _console().print(f"{said.format(escape(name))}, the others were built: {escape(why)}")
     # sentences wrap between words at the console's width (80 columns in a pipe or a log); a path stays one line
-    results.print(f"result: {escape(result_line(report))}", highlight=False)
-    results.print(f"report: {workdir / 'report.md'}", highlight=False, soft_wrap=True)
+    _results().print(f"result: {escape(result_line(report))}", highlight=False)
+    _results().print(f"report: {workdir / 'report.md'}", highlight=False, soft_wrap=True)
 
 
 def _print_unvalidated(engines: list[Any]) -> None:
@@ -652,7 +694,7 @@ def _print_unvalidated(engines: list[Any]) -> None:
     if len(groups) < 2:
         return
     for (device, reason), names in groups.items():
-        console.print(
+        _console().print(
             f"[yellow]{escape(', '.join(names))}[/]: built for {escape(device)}, not validated here: {escape(reason)}"
         )
 
@@ -661,6 +703,8 @@ def _accuracy_table(v: Any, fmt: Callable[..., str]) -> Table:
     """Each engine's agreement with the reference and its task accuracy, then validate.metric's value where set. A
     metric named like a column before it (``validate.metric: accuracy``) is headed ``metric:`` above its name, so
     no two columns read alike (on two lines: the table stays within 80 columns)."""
+    from rich.table import Table
+
     table = Table(title="Accuracy against the reference", show_edge=False)
     metric = v.baseline.metric_name  # validate.metric: the user's own number, beside the built-in ones
     # a multi-label head's class logits are held to decision agreement, as report.md heads it
@@ -711,6 +755,8 @@ def _metric_cell(value: float | None, decimals: int) -> str:
 
 
 def _latency_table(v: Any) -> Table:
+    from rich.table import Table
+
     largest = str(max(int(s) for x in [v.baseline, *v.baselines, *v.engines] for s in x.latency_ms))
     busy = " (machine too busy to time: see report.md)" if getattr(v, "timing", {}).get("busy") else ""
     table = Table(title=f"Latency at batch {largest}{busy}", show_edge=False)
@@ -758,7 +804,7 @@ def _run(config: KilnConfig, workdir: str, quiet: bool, **kw: Any) -> None:
         _refuse_relative([f"--workdir {workdir}"])
     _refuse_torchrun()
     # Bars only on a terminal: piped or logged, a transient bar leaves a blank line behind per task.
-    progress = RichProgress(console) if console.is_terminal and not quiet else SilentProgress()
+    progress = RichProgress(_console()) if _console().is_terminal and not quiet else SilentProgress()
     result, report = run_pipeline(config, workdir, progress=progress, **kw)
     if not quiet:
         _print_summary(result, report, Path(workdir))
@@ -806,6 +852,8 @@ def run(
 @set_opt
 def show_config(config: str | None, config_option: str | None, sets: tuple[str, ...]) -> None:
     """Print the resolved config (defaults filled in) as YAML: a starting point for your own."""
+    import yaml
+
     _answer(yaml.safe_dump(_config(_one_config(config, config_option), sets).dump(), sort_keys=False), nl=False)
 
 
@@ -945,11 +993,11 @@ def stage_command(name: str, help: str, direct: Direct | None = None) -> click.C
                 _refuse_direct_options(direct.needs, *(k for k in values if k not in direct.both))
             extra = direct.workdir_sets(values) if direct else ()
             return _stage_in_workdir(name, config, workdir, sets + extra, quiet)
-        results.quiet = quiet and name != "validate"  # validate's JSON is its answer, not a summary
+        _results().quiet = quiet and name != "validate"  # validate's JSON is its answer, not a summary
         try:
             direct.run(file, config, sets, **values, **({"workdir": workdir} if direct.takes_workdir else {}))
         finally:
-            results.quiet = False
+            _results().quiet = False
 
     return KilnCommand(name, params=params, callback=callback, help=help)
 
@@ -976,7 +1024,7 @@ def _export_direct(
     dst = Path(output or "model.onnx")
     with scratch_root(dst.parent), output_file(dst) as staged:
         summary = export_direct(settings_for(stage_named("export"), cfg), checkpoint, input_shape, staged)
-    results.print(
+    _results().print(
         f"wrote {dst} ({summary['nodes']} nodes, parity max abs err {summary['max_abs_err']:.2e})",
         highlight=False,
     )
@@ -993,7 +1041,7 @@ def _trained_in(workdir: Path, name: str, params: dict[str, Any]) -> str | None:
     weights = workdir / "train" / "model.safetensors"
     if recorded.get("name") != name or (recorded.get("params") or {}) != params or not weights.is_file():
         return None
-    console.print(
+    _console().print(
         f"[yellow]weights[/]: the trained ones in {weights} (the workdir's train stage); --checkpoint FILE exports "
         "others",
         highlight=False,
@@ -1013,12 +1061,12 @@ def _optimize_direct(
         raise ModelError(f"refusing to overwrite the input model {file}", hint="choose another -o path")
     with scratch_root(dst.parent), output_file(dst) as staged:
         summary = optimize_file(Path(file), staged, cfg.optimize, dict(cfg.signature.shapes))
-    results.print(
+    _results().print(
         f"wrote {dst}: {summary.get('nodes_before')} -> {summary.get('nodes_after')} nodes",
         highlight=False,
         soft_wrap=True,
     )
-    results.print(checks_line(summary), highlight=False, markup=False, soft_wrap=True)
+    _results().print(checks_line(summary), highlight=False, markup=False, soft_wrap=True)
 
 
 def _passes(passes: str | None) -> tuple[str, ...]:
@@ -1040,6 +1088,7 @@ def _precision_direct(
     unknown = sorted(set(wanted) - set(PRECISIONS))
     if unknown:
         raise ConfigError(f"--variants names unknown precisions {unknown}", hint=f"use {', '.join(PRECISIONS)}")
+    from kiln.core.artifacts import output_folder
     from kiln.pipeline.runner import settings_for
     from kiln.stages.precision.direct import precision_direct
 
@@ -1056,9 +1105,9 @@ def _precision_direct(
             else ""
         )
         said = v.get("baseline") or f"{v['kept_fp32']} nodes kept FP32{only}"  # fp32, not asked for: why it is here
-        results.print(f"{name}: {shown} ({said})", highlight=False, soft_wrap=True)
+        _results().print(f"{name}: {shown} ({said})", highlight=False, soft_wrap=True)
     checked = "calibrated" if set(wanted) & {"int8", "fp8"} else "checked"  # FP16 takes no calibration
-    results.print(
+    _results().print(
         f"{checked} on {summary['calibration']}; wrote {out / 'variants.json'}", highlight=False, soft_wrap=True
     )
     if summary["missing"] is not None:  # the variants made are written; one asked for and not made fails the command
@@ -1084,13 +1133,13 @@ def _build_direct(
     with scratch_root(out.parent):
         sig = cfg.signature
         meta = build_direct(Path(file), out, backend, device, precision_, cfg.build, dict(sig.shapes), sig.max_batch)
-    results.print(
+    _results().print(
         f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s (targets {meta.device.upper()})",
         highlight=False,
     )
     ok, why = runnable(meta)
     if not ok:
-        console.print(
+        _console().print(
             f"[yellow]not runnable on this machine[/]: {escape(why)}; run it on a machine with a "
             f"{meta.device.upper()} device",
             highlight=False,
@@ -1118,7 +1167,7 @@ def _validate_direct(
     settings = settings_for(stage_named("validate"), cfg)
     fed = Path(inputs) if inputs else None
     if fed is None:
-        console.print(f"[yellow]inputs[/]: no --inputs, so {RANDOM_INPUTS}", highlight=False, soft_wrap=True)
+        _console().print(f"[yellow]inputs[/]: no --inputs, so {RANDOM_INPUTS}", highlight=False, soft_wrap=True)
     result = validate_direct(Path(file), Path(reference), fed, settings)
     _answer(json.dumps(direct_report(result, fed), indent=2))  # plain JSON on stdout: `> v.json` keeps it
     if not result.passed:
@@ -1361,8 +1410,8 @@ def serve(
 
         def ready(served: list[Any]) -> None:
             for line in iter_urls(address, http_port, grpc_port, served):
-                results.print(escape(line), highlight=False, soft_wrap=True)
-            console.print("ready (Ctrl-C or SIGTERM stops the server)")
+                _results().print(escape(line), highlight=False, soft_wrap=True)
+            _console().print("ready (Ctrl-C or SIGTERM stops the server)")
             readied.append(True)
 
         from kiln.stages.engines.backend import SIDECAR
@@ -1560,7 +1609,7 @@ def loadtest(
         if out.is_dir():
             record_owned(out, LOADTEST_FILES)
     _answer(render_markdown(result), nl=False)
-    results.print(f"wrote {Path(output) / 'loadtest.json'}, loadtest.md, loadtest.png", highlight=False)
+    _results().print(f"wrote {Path(output) / 'loadtest.json'}, loadtest.md, loadtest.png", highlight=False)
 
 
 def command() -> None:

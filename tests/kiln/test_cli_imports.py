@@ -48,3 +48,21 @@ def test_answers_without_loading_torch_onnx_or_the_stages(tmp_path: Path, args: 
     got = json.loads(out.stdout.splitlines()[-1])
     assert got["code"] == code, got["out"]
     assert got["loaded"] == [], f"kiln {' '.join(args)} loaded {got['loaded']}"
+
+
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["build", "--help"]])
+def test_help_loads_neither_yaml_nor_rich(tmp_path: Path, args: list[str]) -> None:
+    """Help is click's own text: YAML (``kiln config``'s output) and rich (tables, progress, log lines) load with
+    the commands that print through them."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(heavy={"yaml", "rich"}), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["code"] == 0, got["out"]
+    assert [m for m in got["loaded"] if m.split(".")[0] in {"yaml", "rich"}] == [], got["loaded"]
