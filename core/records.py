@@ -481,11 +481,14 @@ def reordered(shape: Sequence[int], want: Sequence[int | None], taker: str, x: s
 
 def _permutation(shape: tuple[int, ...], want: Sequence[int | None]) -> tuple[int, ...] | None:
     """The first order of ``shape``'s axes (the batch axis kept first where it can be) that gives sizes ``want``
-    takes; None where no order does, or ``shape`` has too many axes to try them all."""
+    takes; None where no order does, or ``shape`` has too many axes to try them all. The array's first axis (its
+    rows) stays first or moves to an axis of any size (a time-major ``[T, N, C]``), never to a fixed size that the
+    row count matches only by chance (64 rows of 48 frames are not 48 rows of 64)."""
     if len(shape) != len(want) or len(shape) > 6:
         return None
     for order in itertools.permutations(range(len(shape))):
-        if fits(tuple(shape[i] for i in order), want):
+        rows_to = order.index(0)
+        if (rows_to == 0 or want[rows_to] is None) and fits(tuple(shape[i] for i in order), want):
             return order
     return None
 

@@ -23,3 +23,13 @@ def test_reordered_finds_the_order_or_none() -> None:
         "x.transpose(0, 2, 3, 1)",
     )
     assert reordered((1, 4, 8, 8), [None, 3, 8, 8], "the model") is None
+
+
+def test_the_rows_are_not_moved_to_a_fixed_size_they_match_by_chance() -> None:
+    """64 rows of 48 frames where the model takes 64 frames: the frames are wrong, no transpose makes them right."""
+    assert reordered((64, 16, 48), [None, 16, 64], "the model") is None
+    # the rows may still move to an axis of any size
+    assert reordered((4, 7, 16), [16, None, None], "the model") == (
+        "its axes are in another order",
+        "x.transpose(2, 0, 1)",
+    )
