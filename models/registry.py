@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import inspect
 import sys
 from collections.abc import Callable
@@ -18,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import ConfigError
 from kiln.core.text import first_line
-from kiln.core.user_errors import MAIN_GUARD, exit_call, user_code_error, user_exit_error, user_frame, where
+from kiln.core.user_errors import (
+    MAIN_GUARD,
+    exit_call,
+    is_user_file,
+    user_code_error,
+    user_exit_error,
+    user_frame,
+    where,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -141,6 +150,8 @@ def resolve_callable(ref: str, table: dict[str, str], kind: str) -> Callable[...
     try:
         module = _import(module_name)
     except ImportError as exc:
+        if _import_inside(exc, module_name):
+            raise _inner_import_error(exc, module_name, kind, ref) from None
         hint = (
             "run kiln from the folder holding the module, or put it next to the config (the kiln command imports "
             "from both); from Python (load_config, run_pipeline), add its folder to sys.path or PYTHONPATH"
@@ -236,6 +247,67 @@ def _call_factory(
 def _params(exc: BaseException, params: dict[str, Any] | None) -> str | None:
     """For a TypeError/ValueError raised by the user's factory: the params it was given may be the cause."""
     return f"check its params {params}" if params and isinstance(exc, (TypeError, ValueError)) else None
+
+
+# Import names whose pip distribution is named otherwise, for the install hint of a missing package
+PIP_NAMES: dict[str, str] = {
+    "sklearn": "scikit-learn",
+    "skimage": "scikit-image",
+    "cv2": "opencv-python",
+    "PIL": "Pillow",
+    "yaml": "PyYAML",
+    "bs4": "beautifulsoup4",
+}
+
+
+def _import_inside(exc: ImportError, module_name: str) -> bool:
+    """Whether ``exc`` came from an import inside ``module_name`` (or its packages) rather than from finding it: the
+    module was found and ran, and something it imports is missing (``pandas``, a ``models.layers`` never written)."""
+    if not isinstance(exc, ModuleNotFoundError):
+        return True  # "cannot import name X from Y": a module that was found and ran
+    missing = exc.name
+    return bool(missing) and missing != module_name and not module_name.startswith(f"{missing}.")
+
+
+def _inner_import_error(exc: ImportError, module_name: str, kind: str, ref: str) -> ConfigError:
+    """The error for an import failing inside the user's module: the import's file:line, and as the fix installing
+    a missing package or the module a local import names."""
+    frame = user_frame(exc)
+    at = f"{_relative(frame.filename)}:{frame.lineno}" if frame is not None else f"module '{module_name}'"
+    head = f"importing module '{module_name}' for {kind} '{ref}' failed"
+    missing = exc.name or ""
+    if not isinstance(exc, ModuleNotFoundError):
+        return ConfigError(f"{head} at {at}: {first_line(exc)}", hint=f"fix the import at {at}")
+    top = missing.split(".")[0]
+    if _findable(top):  # a package that exists, without the submodule asked for
+        folder = _users_folder(top)
+        rest = missing.split(".")[1:]
+        create = f"create {_relative(str(Path(folder, *rest).with_suffix('.py')))} or " if folder and rest else ""
+        return ConfigError(
+            f"{head}: '{missing}', imported at {at}, does not exist",
+            hint=f"{create}correct the import at {at}",
+        )
+    package = PIP_NAMES.get(top, top)
+    return ConfigError(
+        f"{head}: '{missing}', imported at {at}, is not installed",
+        hint=f"install it where kiln runs ({sys.executable} -m pip install {package}), or remove the import at {at}",
+    )
+
+
+def _users_folder(top: str) -> Path | None:
+    """The folder of the top-level package ``top`` when it is the user's own (not installed, not Kiln's), else None."""
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.origin or not spec.submodule_search_locations or not is_user_file(spec.origin):
+        return None
+    return Path(spec.origin).parent
+
+
+def _relative(filename: str) -> str:
+    """``filename`` relative to the current folder when it lies inside it."""
+    try:
+        return str(Path(filename).relative_to(Path.cwd()))
+    except (ValueError, OSError):
+        return filename
 
 
 def _import_site(exc: BaseException) -> str:

@@ -92,6 +92,7 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
     packaged: list[dict[str, Any]] = []
     ray_apps: list[dict[str, Any]] = []
     capped: list[EngineMetadata] = []
+    below: list[EngineMetadata] = []
     own_counts: list[EngineMetadata] = []
     unbatched: list[EngineMetadata] = []
     for engine_dir in engine_dirs(ctx.inputs["build"]):
@@ -107,7 +108,9 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
         if validated != meta:  # said in the packaged engine itself, for every server and command that loads it
             meta = validated
             meta.write(packaged_dir / SIDECAR)
-        capped += [meta] if _capped(meta, cfg.max_batch_size) else []
+        max_batch = _max_batch(cfg, meta)
+        capped += [meta] if _capped(meta, max_batch) else []
+        below += [meta] if _below_validated(meta, max_batch) else []
         own_counts += [meta] if len(first_axes(meta)) > 1 else []
         unbatched += [meta] if (cfg.triton or cfg.triton_python) and _unbatched(meta) else []
         record: dict[str, Any] = {
@@ -120,10 +123,10 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
         }
         model_name = triton_model_name(ctx.config.name, meta.name)
         if cfg.triton and stock_model(meta) is not None:
-            write_stock_model(ctx.out / "triton" / model_name, packaged_dir, meta, cfg.max_batch_size)
+            write_stock_model(ctx.out / "triton" / model_name, packaged_dir, meta, max_batch)
             record["triton_model"] = model_name
         if cfg.triton_python:
-            write_python_model(ctx.out / "triton-python" / model_name, packaged_dir, meta, cfg.max_batch_size)
+            write_python_model(ctx.out / "triton-python" / model_name, packaged_dir, meta, max_batch)
             record["triton_python_model"] = model_name
         if cfg.ray.enabled:
             ray_apps.append(rayserve.application(model_name, meta, cfg.ray))
@@ -131,6 +134,8 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
         packaged.append(record)
     if capped:  # a warning where the user asked for the larger batch; the default's cap is information
         _say_batch_limit(ctx, capped, cfg.max_batch_size, asked="max_batch_size" in cfg.model_fields_set)
+    if below:
+        _say_below_validated(ctx, below, cfg.max_batch_size)
     if own_counts:
         _say_own_counts(ctx, own_counts)
     _say_unbatched(ctx, unbatched)
@@ -141,6 +146,34 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
         kserve.write_manifest(ctx.out / "kserve.yaml", ctx.config.name, cfg.kserve, gpu)
     (ctx.out / INDEX).write_text(json.dumps({"name": ctx.config.name, "models": packaged}, indent=2))
     return PackageSummary(models=packaged)
+
+
+def _max_batch(cfg: PackageConfig, meta: EngineMetadata) -> int:
+    """The Triton repositories' ``max_batch_size`` for ``meta``'s engine: ``package.max_batch_size`` where the config
+    sets it, else the default or the largest batch the engine was validated at (and its profiles take), the larger:
+    servers take batches up to the largest validated (docs/serving.md), and a default holds none below it."""
+    limit = engine_max_batch(meta)
+    if "max_batch_size" in cfg.model_fields_set or limit is None or not batchable(meta):
+        return cfg.max_batch_size
+    return max(cfg.max_batch_size, limit)
+
+
+def _below_validated(meta: EngineMetadata, max_batch: int) -> bool:
+    """Whether ``max_batch`` (above 0: batched) is below the largest batch the engine was validated at."""
+    limit = meta.validated_max_batch()
+    return limit is not None and 0 < max_batch < limit and batchable(meta)
+
+
+def _say_below_validated(ctx: StageContext[PackageSettings], metas: list[EngineMetadata], requested: int) -> None:
+    """Say once that the config's ``package.max_batch_size`` serves these engines below the largest batch validation
+    compared them at: what the config asked, so information, but not what ``signature.batch_sizes`` suggests."""
+    ctx.log.info(
+        "%s: served with batches up to package.max_batch_size %d rows, below the largest validated batch %s "
+        "(signature.batch_sizes); to serve those, raise package.max_batch_size or leave it unset",
+        ", ".join(m.name for m in metas),
+        requested,
+        " / ".join(map(str, sorted({m.validated_max_batch() or 0 for m in metas}))),
+    )
 
 
 def _capped(meta: EngineMetadata, requested: int) -> bool:

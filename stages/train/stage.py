@@ -11,6 +11,7 @@ import inspect
 import itertools
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -488,7 +489,7 @@ def _cannot_take(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, 
             hint=DECODER_FIX,
         )
     hint = (
-        _data_fix(model, x, names, data.name)
+        _data_fix(model, x, names, data.name, exc)
         or _known_fix(exc)
         or "make data.name/data.params produce what the model expects, or change model.params"
         + (f" (or fix {frame.name}() in {frame.filename} line {frame.lineno})" if frame else "")
@@ -511,10 +512,10 @@ def _wants_decoder_inputs(model: nn.Module, x: Any) -> bool:
     return _runs(model, {**x, "decoder_input_ids": start})
 
 
-def _data_fix(model: nn.Module, x: Any, names: list[str], data_ref: str) -> str | None:
-    """The fix for probe rows ``x`` the forward failed on where converting some inputs makes it run: the data is
-    then what to change, said as that conversion (:func:`wrong_float_inputs`, :func:`_integer_values`,
-    :func:`_channels_last`); None where none does."""
+def _data_fix(model: nn.Module, x: Any, names: list[str], data_ref: str, exc: Exception) -> str | None:
+    """The fix for probe rows ``x`` the forward failed on (with ``exc``) where converting some inputs makes it run:
+    the data is then what to change, said as that conversion (:func:`wrong_float_inputs`, :func:`_integer_values`,
+    :func:`_channels_last`, :func:`_channels_moved`); None where none does."""
     parts = tensors(x)
     off = wrong_float_inputs(model, x)
     if off is not None:
@@ -527,6 +528,37 @@ def _data_fix(model: nn.Module, x: Any, names: list[str], data_ref: str) -> str 
     last = _channels_last(model, x)
     if last is not None:
         return _layout_fix(model, parts[last], names[last], data_ref)
+    moved = _channels_moved(model, x, exc)
+    if moved is not None:
+        at, layout = moved
+        return f"give input '{names[at]}' in the layout the model takes{layout} in the data function '{data_ref}'"
+    return None
+
+
+# A convolution's refusal of its input's channel count (``expected input[2, 8, 3, 16, 16] to have 3 channels...``)
+_CHANNELS = re.compile(r"expected input\[([\d, ]+)\] to have (\d+) channels, but got (\d+) channels")
+
+
+def _channels_moved(model: nn.Module, x: Any, exc: Exception) -> tuple[int, str] | None:
+    """Where a convolution refused the channels of an input of ``x`` (``exc``) whose channel count lies on another
+    axis (video clips as [N, T, C, H, W] to a model of [N, C, T, H, W]): its position and the permute that puts the
+    channels second (:func:`~kiln.core.feeds.shape_fix`), where the forward runs once it is permuted; None
+    otherwise."""
+    found = _CHANNELS.search(str(exc))
+    if found is None:
+        return None
+    shape, channels = tuple(int(d) for d in found.group(1).split(",")), int(found.group(2))
+    parts = tensors(x)
+    for i, t in enumerate(parts):
+        if tuple(t.shape) != shape or t.ndim < 3:
+            continue
+        axis = next((a for a in range(2, t.ndim) if shape[a] == channels), None)
+        if axis is None:
+            return None
+        order = (0, axis, *(a for a in range(1, t.ndim) if a != axis))  # the order shape_fix says too
+        if not _runs(model, rebuild(x, [t.permute(order) if j == i else p for j, p in enumerate(parts)])):
+            return None
+        return i, shape_fix(shape, [None, channels, *[None] * (t.ndim - 2)], "the model", False)
     return None
 
 
@@ -695,6 +727,9 @@ def _refuse_random_in_eval(model: nn.Module, x: Any) -> None:
 
 
 _LOOKUPS = (nn.functional.embedding, nn.functional.embedding_bag)  # both take (input, weight, ...)
+# Additions and subtractions that may shift ids by a constant before a lookup (one table, per-column offsets)
+_SHIFTS = ((torch.add, 1), (torch.Tensor.add, 1), (torch.Tensor.__add__, 1), (torch.Tensor.__radd__, 1))
+_SHIFTS += ((torch.sub, -1), (torch.Tensor.sub, -1), (torch.Tensor.__sub__, -1))
 
 
 class EmbeddingLookups(TorchFunctionMode):
@@ -709,6 +744,7 @@ class EmbeddingLookups(TorchFunctionMode):
         super().__init__()
         self.before = [_version(t) for t in tensors(probe)]
         self.calls: list[tuple[torch.Tensor, int | None, torch.Tensor]] = []
+        self.shifts: list[Shift] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -717,7 +753,38 @@ class EmbeddingLookups(TorchFunctionMode):
             table = args[1] if len(args) > 1 else kwargs.get("weight")
             if isinstance(ids, torch.Tensor) and isinstance(table, torch.Tensor):
                 self.calls.append((ids, _version(ids), table))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        sign = next((sign for shift, sign in _SHIFTS if shift is func), 0)  # by identity: a func may be unhashable
+        if sign and len(args) == 2 and not kwargs and _is_ids(out):
+            self.shifts.extend(_shift(out, args, sign, func is torch.Tensor.__radd__))
+        return out
+
+
+class Shift:
+    """An integer tensor ``out`` made as ``ids + offset`` (``sign`` -1: ``ids - offset``), with the version counters
+    of both then: an id the data holds, shifted before its lookup (``emb(x_cat + offsets)``)."""
+
+    def __init__(self, out: torch.Tensor, ids: torch.Tensor, offset: torch.Tensor | int, sign: int) -> None:
+        self.out, self.ids, self.offset, self.sign = out, ids, offset, sign
+        self.versions = (_version(out), _version(ids))
+
+
+def _is_ids(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.ndim > 0 and not t.is_floating_point() and not t.is_complex()
+
+
+def _shift(out: torch.Tensor, args: tuple[Any, ...], sign: int, reflected: bool) -> list[Shift]:
+    """The :class:`Shift` that ``out = args[0] +/- args[1]`` may be: a side of integer ids plus an integer offset (a
+    number or a tensor), each side the ids for an addition. Subtracting ids from a constant shifts no ids."""
+    a, b = (args[1], args[0]) if reflected else args
+    pairs = [(a, b), (b, a)] if sign > 0 else [(a, b)]
+    return [Shift(out, ids, offset, sign) for ids, offset in pairs if _is_ids(ids) and _is_offset(offset)]
+
+
+def _is_offset(t: Any) -> bool:
+    if isinstance(t, int):
+        return not isinstance(t, bool)
+    return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -792,6 +859,85 @@ def check_token_ids(model: nn.Module, data: DatasetSplits, probe: Any, lookups: 
                 for column in columns or (None,):
                     part, at = (ids, where) if column is None else (ids[..., column], f"{where}[..., {column}]")
                     _check_ids(part, at, names.get(id(table), "?"), tuple(table.shape), data.name, column is None)
+        if not cast:
+            for shifted in _shifted_tables(model, t, before, lookups):
+                _check_shifted_input(data, key, shifted, names)
+
+
+def _shifted_tables(model: nn.Module, probe: torch.Tensor, before: int | None, lookups: EmbeddingLookups) -> list[Any]:
+    """The lookups of input ``probe`` (whole or its columns, as :func:`_columns` finds them) shifted by a constant
+    first (``emb(x_cat + self.offsets)``: one table, an offset per column), each as ``(table, columns, view's ndim,
+    offset)``. A constant is a number or a model buffer that does not vary over the rows; an offset computed from
+    the data, or ids edited in place between, make no such lookup."""
+    buffers = {b.untyped_storage().data_ptr() for b in model.buffers()}
+    found = []
+    for ids, version, table in lookups.calls:
+        for shift in (s for s in lookups.shifts if s.out is ids and s.versions == (version, before)):
+            columns, offset = _columns(shift.ids, probe), _constant(shift.offset, shift.ids, buffers)
+            if columns is not None and offset is not None:
+                found.append((table, columns, shift.ids.ndim, offset * shift.sign))
+    return found
+
+
+def _constant(offset: torch.Tensor | int, ids: torch.Tensor, buffers: set[int]) -> torch.Tensor | None:
+    """``offset`` as a tensor when it is a constant the same for every row of ``ids``, else None."""
+    if isinstance(offset, int):
+        return torch.tensor(offset)
+    if not offset.data_ptr() or offset.untyped_storage().data_ptr() not in buffers:
+        return None
+    if offset.ndim == ids.ndim and offset.shape[0] != 1:  # an offset per row: not the same for every sample
+        return None
+    return offset.detach().long().cpu()
+
+
+def _check_shifted_input(data: DatasetSplits, key: Any, shifted: tuple[Any, ...], names: dict[int, str]) -> None:
+    """Input ``key`` of both splits, taken as the shifted lookup found (:func:`_shifted_tables`) takes it, plus its
+    offset indexes the table's rows, or the error naming the input, column, row and value."""
+    table, columns, ndim, offset = shifted
+    for split in ("train", "val"):
+        split_x = getattr(data, f"{split}_x")
+        ids = split_x[key] if isinstance(split_x, dict) else tensors(split_x)[key]
+        single = bool(columns) and ndim < ids.ndim  # one column, its axis dropped (``x[:, 0]``)
+        part = ids if not columns else ids[..., columns[0]] if single else ids[..., columns[0] : columns[-1] + 1]
+        try:
+            moved = part.long() + offset
+        except RuntimeError:  # another length on an axis the offset runs along: not the probe's layout
+            continue
+        if moved.shape == part.shape:
+            where = f"{split}_x{_input_label(split_x, key)}"
+            at = columns[0] if single else None
+            _check_moved(part, moved, where, (columns, at), names.get(id(table), "?"), tuple(table.shape), data.name)
+
+
+def _check_moved(
+    part: torch.Tensor,
+    moved: torch.Tensor,
+    where: str,
+    columns: tuple[tuple[int, ...], int | None],
+    name: str,
+    shape: tuple[int, ...],
+    ref: str,
+) -> None:
+    """``moved`` (the data's ``part`` plus the model's offset) within the ``shape[0]`` rows of the table, or the
+    error naming the column, row and value of the first outside; ``columns``: the input's columns ``part`` holds
+    and the one column it is, if it is one."""
+    size = shape[0]
+    bad = (moved < 0) | (moved >= size)
+    if not bool(bad.any()):
+        return
+    at = tuple(bad.nonzero()[0])
+    value, index, off = int(part[at]), int(moved[at]), int(moved[at] - part[at])
+    taken, column = columns
+    if column is None and part.ndim > 1:
+        column = (taken[0] if taken else 0) + int(at[-1])
+    label = where if column is None else f"{where}[..., {column}]"
+    side = f"past the {size} rows" if index >= size else f"below the first of the {size} rows"
+    bigger = f", or build the model with a table of at least {index + 1} rows" if index >= size else ""
+    raise DataContractError(
+        f"dataset '{ref}': {label} holds value {value} at row {int(at[0])}, which the model shifts by {off} to id "
+        f"{index}, {side} of its embedding '{name}' (a table of {' x '.join(map(str, shape))}: ids 0..{size - 1})",
+        hint=f"keep {label} within {max(0, -off)}..{size - 1 - off} (the table's ids after the offset {off}){bigger}",
+    )
 
 
 def _cast_tables(probe: torch.Tensor, lookups: EmbeddingLookups) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
