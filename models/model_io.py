@@ -310,11 +310,17 @@ def _say_random(path: str) -> None:
 WEIGHTS_KEYS = ("state_dict", "model_state_dict", "model", "module", "net")
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path, given: str = "model.checkpoint") -> dict[str, torch.Tensor]:
     """The state dict in the file ``path``: a safetensors file, or a ``torch.save``'d state dict or training
-    checkpoint (:func:`_weights_in`), read without running code from the file."""
+    checkpoint (:func:`_weights_in`), read without running code from the file. ``given``: what the user named the
+    file with (the config key ``model.checkpoint``, or a direct command's ``--checkpoint``), which a missing file's
+    error names, so the fix points at what the user wrote."""
     if not path.is_file():
-        raise InputFileError(f"checkpoint not found: {path}", hint="fix model.checkpoint")
+        raise InputFileError(
+            f"checkpoint not found: {path} (given by {given})",
+            hint=f"give {given} the path of an existing checkpoint file (a .safetensors file or a torch.save'd state "
+            "dict)",
+        )
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

@@ -193,9 +193,10 @@ def export_direct(
     ensure_writable(output.parent, "the -o file's folder")  # before minutes of work, not after
     specs = parse_input_shapes(input_shapes) if input_shapes else None
     model = build_model(cfg.model.name, cfg.model.params)
+    given = "--checkpoint" if checkpoint else "model.checkpoint"  # what a missing file's message names
     checkpoint = checkpoint or cfg.model.checkpoint  # --checkpoint wins over the config's model.checkpoint
     if checkpoint:
-        load_weights(model, read_state_dict(Path(checkpoint)), checkpoint)
+        load_weights(model, read_state_dict(Path(checkpoint), given), checkpoint)
     else:
         log.warning(
             "exporting '%s' with its initial weights: no --checkpoint and no model.checkpoint given", cfg.model.name

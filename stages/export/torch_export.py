@@ -127,7 +127,7 @@ def export_with_fallback(
                 took = time.perf_counter() - started
                 log.warning("dynamo exporter failed: %s (%.1f s); trying the TorchScript exporter", refused, took)
     else:
-        raise _export_failed(model, example, errors, opset, axes, raised, cause)
+        raise _export_failed(model, example, errors, opset, axes, raised, cause, fixed_places(refused))
     if fixed:  # before the hint to skip the dynamo exporter, which a refused graph does not need
         branches = _from_values(model, example, branches) if branches else []
         refuse_traced_branch(fixed, errors, validation, raised, cause, branches)
@@ -936,16 +936,20 @@ def _export_failed(
     axes: Mapping[str, Mapping[int, str]],
     raised: Raised | None = None,
     cause: Cause | None = None,
+    places: str = "",
 ) -> ExportFailed:
     """The error where both exporters failed (``errors``: each one's reason), with the fix
     (:func:`_export_failed_hint`): where the dynamo exporter's one failure was fixing ``axes`` that vary, the
     line of the user's code it fixed them at (:func:`kiln.stages.export.pinned_sizes.pinned_at`), since the
     TorchScript exporter tried next fails for a reason of its own (an op it cannot write); where the failure comes
     from a library's setting (``cause``: :func:`known_cause`), that setting's fix, whatever else the errors say.
-    ``raised``: the call torch's error says raised the dynamo exporter's failure (:func:`_raised_at`)."""
+    ``raised``: the call torch's error says raised the dynamo exporter's failure (:func:`_raised_at`); ``places``:
+    where torch's log said the dynamo exporter fixed the axes (:func:`fixed_places`), named where :func:`pinned_at`
+    finds no line of the user's (the size is fixed inside a library, ``modeling_whisper.py:612``)."""
 
     fixed = f"dynamo exporter: {_FIXED_AXES}"
     line = _short_line(pinned_at(model, example, axes)) if any(e.startswith(fixed) for e in errors) else ""
+    line = line or (places if any(e.startswith(fixed) for e in errors) else "")
     said = " | ".join(f"{e} (in {line})" if line and e.startswith(fixed) else e for e in errors)
     complex_values = _complex_values(model, errors)
     if complex_values:

@@ -96,7 +96,6 @@ def _sizes_hint(
     direct: bool = False,
     uncut: Mapping[str, list[int]] | None = None,
     split_has: bool = False,
-    fixed: bool = False,
 ) -> str:
     """What to do about a size the model fails at: Kiln made a smaller one by cutting the data's rows (which drops
     what the rest of a row needs: a sequence's end-of-text token, nodes a graph's edges still index),
@@ -105,21 +104,22 @@ def _sizes_hint(
     sizes alone, which would check no other size. ``uncut``: sizes Kiln makes from the held-out rows without cutting
     them that the model takes (:func:`_uncut_sizes`), suggested in place of the rows' own alone, which would lock
     the engine to one size; ``split_has``: the training split's rows have the size cut to, which is where that size
-    came from; ``fixed``: the fix already leads with removing the axis (:func:`_fixed_axis_error`), not said again.
-    A listed size below the rows' own is one Kiln cut them to as well, so it counts as cut: the model may take it on
-    whole rows of that size (a graph of that many nodes), which the cut rows are not."""
+    came from. A listed size below the rows' own is one Kiln cut them to as well, so it counts as cut: the model may
+    take it on whole rows of that size (a graph of that many nodes), which the cut rows are not. A suggested
+    ``signature.shapes`` holds the axes in question alone (those at a size other than the rows' own): pinning an
+    axis that varies fine would take its other sizes out of validation for nothing."""
     cut = {k: own[k] for k, v in point.items() if k in own and v < own[k]}
     given = ", ".join(f"{k}={v}" for k, v in point.items() if v in listed.get(k, ()) and v > own.get(k, v))
-    example = "{" + ", ".join(f"{k}: [{own.get(k, v)}]" for k, v in point.items()) + "}"
+    moved = [k for k, v in point.items() if v != own.get(k, v)] or list(point)
+    example = "{" + ", ".join(f"{k}: [{own.get(k, point[k])}]" for k in moved) + "}"
     if cut:
-        return _cut_hint(point, cut, example, direct, uncut, split_has, fixed)
+        return _cut_hint(point, cut, example, direct, uncut, split_has)
     listing = "signature.shapes" if direct else f"signature.shapes, e.g. {example}"
     if given:
-        return f"signature.shapes lists {given}: list there only sizes the model takes" + (
-            "" if fixed else ", or remove that axis from signature.dynamic_axes if it takes one size"
+        return (
+            f"signature.shapes lists {given}: list there only sizes the model takes, or remove that axis from "
+            "signature.dynamic_axes if it takes one size"
         )
-    if fixed:
-        return f"list sizes it takes in {listing}"
     return "if the model takes one size, remove that axis from signature.dynamic_axes; else list sizes it takes in " + (
         listing
     )
@@ -132,17 +132,16 @@ def _cut_hint(
     direct: bool,
     uncut: Mapping[str, list[int]] | None,
     split_has: bool,
-    fixed: bool = False,
 ) -> str:
     """:func:`_sizes_hint` where Kiln cut the rows (``cut``: their own size of each axis it cut): whose rows have
-    the size, and sizes to validate at that need no cutting (``uncut`` where given, else the rows' own). Where the
-    training split's rows have the size (``split_has``), the model takes it, so the cutting is the cause.
-    ``fixed``: the fix leads with removing the axis, which is not offered again."""
+    the size, and sizes to validate at that need no cutting (``uncut``'s of the cut axes where given, else the rows'
+    own, ``example``). Where the training split's rows have the size (``split_has``), the model takes it, so the
+    cutting is the cause."""
     sizes = ", ".join(f"{k}={v}" for k, v in cut.items())
     if direct:
         fix = "list sizes it takes in signature.shapes"
     elif uncut:
-        listed = "{" + ", ".join(f"{k}: {v}" for k, v in uncut.items()) + "}"
+        listed = "{" + ", ".join(f"{k}: {v}" for k, v in uncut.items() if k in cut) + "}"
         fix = (
             "validate at the held-out rows' own size and a larger one Kiln makes by repeating them, which the model "
             f"runs at, signature.shapes: {listed}"
@@ -153,8 +152,8 @@ def _cut_hint(
         return (
             f"Kiln made that size by cutting {rows_source(direct)}'s rows (its own: {sizes}), which drops what the "
             "rest of a row needs (a sequence's end token, nodes a graph's edges still index) or gives a size the "
-            f"model's strides or pooling do not divide: {fix}"
-            + ("" if fixed else "; or remove the axis from signature.dynamic_axes if the model takes one size")
+            f"model's strides or pooling do not divide: {fix}; or remove the axis from signature.dynamic_axes if the "
+            "model takes one size"
         )
     at = ", ".join(f"{k}={point[k]}" for k in cut)
     return (
@@ -328,16 +327,14 @@ def _fails_at(
     smallest = "" if tie or fixed else _smallest_hint(model, inputs, point, feeds[0], axes, listed)
     if smallest:
         return ModelError(message, hint=smallest)
-    sizes = _sizes_hint(
-        point, own, listed, direct, *_uncut_if_cut(model, inputs, point, feeds, axes, direct), fixed=bool(fixed)
-    )
     if fixed is None:
-        return ModelError(message, hint=tie + sizes)
+        uncut = _uncut_if_cut(model, inputs, point, feeds, axes, direct)
+        return ModelError(message, hint=tie + _sizes_hint(point, own, listed, direct, *uncut))
     label, tried = fixed
     offset = _offset_tied(model, inputs, feeds[0], axes, label, tried)
     if offset is not None:
         return _offset_tie_error(message, label, *offset, own)
-    return _fixed_axis_error(message, label, own[label], tried, feeds[0], axes, source, sizes)
+    return _fixed_axis_error(message, label, own[label], tried, feeds[0], axes, source)
 
 
 def _listed_at_fault(
@@ -481,12 +478,13 @@ def _offset_tie_error(message: str, label: str, other: str, gap: int, own: Mappi
 
 
 def _fixed_axis_error(
-    message: str, label: str, size: int, tried: list[int], feed: Feed, axes: Axes, source: str, sizes: str
+    message: str, label: str, size: int, tried: list[int], feed: Feed, axes: Axes, source: str
 ) -> ModelError:
     """The error where the model fixes the axes named ``label`` at ``size`` (:func:`_fixed_axis`; ``tried``: the
-    sizes it fails at): the fix leads with removing them from ``signature.dynamic_axes``, then naming the axis that
-    varies if another does (``feed``: ``source``'s rows, whose sample shapes it shows), then ``sizes``, the fix
-    where the model does take other sizes (:func:`_sizes_hint`)."""
+    sizes it fails at): the fix is removing them from ``signature.dynamic_axes``, and naming the axis that varies
+    if another does (``feed``: ``source``'s rows, whose sample shapes it shows). The probe showed the model itself
+    fails at every other size, so no list of sizes to validate at is offered: one would send the export on to fail
+    again where the model pins the axis."""
     where = [(name, int(axis)) for name, dims in axes.items() for axis, lbl in dims.items() if lbl == label]
     places = " and ".join(f"axis {axis} of '{name}'" for name, axis in where)
     failed = ", ".join(map(str, tried[:-1])) + f" or {tried[-1]}" if len(tried) > 1 else str(tried[0])
@@ -495,8 +493,7 @@ def _fixed_axis_error(
     return ModelError(
         f"{message}; the model fixes {places} ({label}): it runs at {source}'s {size} alone there, not at {failed}",
         hint=f"remove the {axis_word} from signature.dynamic_axes ({places}: the model takes only {size} there); if "
-        f"another axis varies, name that one instead (samples in {source}: {shown}); if the model does take other "
-        f"sizes: {sizes}",
+        f"another axis varies, name that one instead (samples in {source}: {shown})",
     )
 
 

@@ -37,7 +37,7 @@ def checkpoint_outputs(
     """:func:`~kiln.stages.validate.direct.reference_outputs` of a PyTorch checkpoint of ``cfg.model``."""
     if "model" not in loaded:
         built = build_model(cfg.model.name, cfg.model.params)
-        loaded["model"] = load_weights(built, read_state_dict(reference), str(reference)).float().eval()
+        loaded["model"] = load_weights(built, read_state_dict(reference, "--reference"), str(reference)).float().eval()
     model = loaded["model"]
 
     def run(part: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

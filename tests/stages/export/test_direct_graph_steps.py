@@ -116,3 +116,10 @@ def test_the_metadata_is_written_beside_weights_kept_in_an_external_file(tmp_pat
     (got,) = ort.InferenceSession(str(path)).run(None, {"x": x})
     assert np.allclose(got, x @ weight, atol=1e-5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
+
+
+def test_a_missing_checkpoint_names_the_flag_it_was_given_by(tmp_path: Path) -> None:
+    """``kiln export --checkpoint MISSING``: the fix names ``--checkpoint``, not a config key the user never set."""
+    args = ["export", str(_config(tmp_path, "branchy")), "--checkpoint", str(tmp_path / "nope.pt")]
+    result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "m.onnx")])
+    assert result.exit_code == 2 and "fix: give --checkpoint the path" in result.output, result.output

@@ -98,3 +98,16 @@ def test_the_users_own_branch_keeps_the_plain_fix() -> None:
     assert _values_fix("Could not guard on data-dependent expression u0 > 0", Raised("mine.py:3", "if x:", "")) == (
         DATA_BRANCH_FIX
     )
+
+
+def test_a_size_fixed_inside_a_library_is_placed_where_torch_s_log_said() -> None:
+    """Both exporters failed, the dynamo one by fixing a dynamic axis inside a library's module (a transformers
+    model's size check), where no line of the user's is found: the error still says where, as the warning did."""
+    errors = [
+        "dynamo exporter: it fixed input 'x' axis 1 (frames), which signature.dynamic_axes makes dynamic",
+        "torchscript exporter: Exporting the operator 'aten::diff' to ONNX opset version 18 is not supported",
+    ]
+    err = torch_export._export_failed(
+        nn.Identity(), torch.zeros(2, 3), errors, 18, {}, places="modeling_whisper.py:612"
+    )
+    assert "(in modeling_whisper.py:612)" in err.message and "modeling_whisper.py:612" in (err.hint or "")
