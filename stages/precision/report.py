@@ -172,11 +172,14 @@ def _unmade(name: str, v: dict[str, Any]) -> list[str]:
 
 def ort_cpu_left(v: dict[str, Any]) -> str:
     """What ONNX Runtime CPU engines of a variant whose own CPU graph was not made load: its Q/DQ graph where that
-    passed; where it missed its gates too (``unmade``), nothing in that precision, said as such, not as a graph
-    they load instead."""
+    was made; where it was not (``unmade``), nothing in that precision, said as such, not as a graph they load
+    instead. ``v``: the summary's entry (``fallback_passed``) or the stage's own (``fallback``); the Q/DQ graph is
+    said to have missed its gates only where its fallback did not pass (else it had too little in the precision)."""
     if not v.get("unmade"):
         return "ONNX Runtime CPU engines load the Q/DQ graph instead"
-    return "its Q/DQ graph missed its gates too, so no ONNX Runtime CPU engine is built in this precision"
+    passed = v.get("fallback_passed", (v.get("fallback") or {}).get("passed", True))
+    why = "missed its gates too" if passed is False else "was not made either"
+    return f"its Q/DQ graph {why}, so no ONNX Runtime CPU engine is built in this precision"
 
 
 def _error(value: float | None) -> str:

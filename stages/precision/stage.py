@@ -11,9 +11,10 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
 from kiln.core.output_names import class_logits
 from kiln.core.progress import Progress
 from kiln.core.records import PrecisionVariant, TensorSpec, Variants
+from kiln.core.sample_counts import FEW_ROWS
 from kiln.core.shapes import Axes, axis_sizes, graph_axes_with, resize, shape_points
 from kiln.core.stage import StageContext
 from kiln.models.model_io import on_random_inputs, torch_model_named
@@ -64,9 +66,6 @@ from kiln.stages.precision.variants import (
     quantized_nothing,
 )
 
-# Fewer calibration rows than this are warned of: one calibration batch at the default calibration.batch_size, the
-# floor `kiln precision` warns under too (kiln.stages.precision.direct imports this module: no import back)
-FEW_ROWS = 32
 ORT_CPU_ENGINE = "onnxruntime-cpu"  # the one engine kind that loads an INT8 variant's own ONNX Runtime CPU graph
 
 
@@ -350,7 +349,8 @@ def _warn_slow_convs(log: logging.Logger, root: Path, precision: str, entry: dic
     """Said once for an INT8 variant whose graph for ONNX Runtime CPU (its own, else the Q/DQ graph where that was
     made) quantizes 3-D convolutions (:func:`~kiln.core.cpu_int8.slow_integer_convs`): ORT's CPU QLinearConv has no
     fast path for them, so its engine likely runs slower than FP32, which validation would only say at the end.
-    Nothing built changes."""
+    Nothing built changes. The fix it gives is precision.require_speedup, which drops that engine alone: excluding
+    Conv from calibration takes INT8 from every backend, TensorRT's too, whose 3-D INT8 convolutions are fast."""
     path = (entry.get("backend_paths") or {}).get("onnxruntime-cpu") or (None if entry.get("unmade") else entry["path"])
     if precision != "int8" or path is None:
         return
@@ -358,9 +358,10 @@ def _warn_slow_convs(log: logging.Logger, root: Path, precision: str, entry: dic
     if convs:
         log.warning(
             "%s: %d 3-D convolution%s (%s) run in INT8 on ONNX Runtime CPU as QLinearConv, which has no fast path "
-            "over 3 spatial dims: expect its ONNX Runtime CPU engine to run slower than FP32; keep them in float "
-            "with calibration.exclude_op_types: [Conv], or set precision.require_speedup: true to drop an engine "
-            "slower than FP32",
+            "over 3 spatial dims: expect its ONNX Runtime CPU engine to run slower than FP32; set "
+            "precision.require_speedup: true to leave an INT8 engine slower than FP32 out of the package (TensorRT's "
+            "INT8 engines, fast on 3-D convolutions, stay); calibration.exclude_op_types: [Conv] would instead remove "
+            "INT8 from every backend",
             *(precision, len(convs), "" if len(convs) == 1 else "s"),
             ", ".join(convs[:4]) + (", ..." if len(convs) > 4 else ""),
         )
@@ -468,12 +469,12 @@ def mark_too_little(
     if precision == "fp32" or "path" not in entry:
         return
 
-    def short(label: str, path: Path, kept: list[str]) -> tuple[str, str] | None:
+    def short(label: str, path: Path, record: dict[str, Any]) -> tuple[str, str] | None:
         audit = audit_graph(path, sizes)
         share = audit.share().get(precision, 0.0)
         if share >= MIN_SHARE:
             return None
-        why, hint = too_little(audit, precision, kept, quantized)
+        why, hint = too_little(audit, precision, record["kept_fp32"], quantized, record.get("reasons"))
         counted = "FLOPs" if audit.total else "compute node runs"
         return (
             f"{label} not made: {share_under(share, MIN_SHARE)} of its {counted} run in {precision} ({why}), under "
@@ -483,14 +484,14 @@ def mark_too_little(
 
     cpu = entry.get("ort_cpu") or entry
     for backend, path in list((entry.get("backend_paths") or {}).items()):
-        if found := short(f"{precision} ({backend} graph)", root / path, cpu["kept_fp32"]):
+        if found := short(f"{precision} ({backend} graph)", root / path, cpu):
             entry["ort_cpu_unmade"] = found[0]
             entry["backend_paths"].pop(backend)
             for file in (root / path, root / f"{path}.data"):  # no engine reads it, nothing lists it: not left behind
                 file.unlink(missing_ok=True)
     if not entry.get("unmade"):
         label = f"{precision} (Q/DQ graph)" if entry.get("backend_paths") else precision
-        if found := short(label, root / entry["path"], entry["kept_fp32"]):
+        if found := short(label, root / entry["path"], entry):
             entry["unmade"], entry["unmade_hint"] = found
 
 
@@ -503,16 +504,25 @@ def share_under(share: float, limit: float) -> str:
     return f"{math.floor(share * 1000) / 10:.1f}%"
 
 
-def too_little(audit: Audit, precision: str, kept: list[str], quantized: Collection[str]) -> tuple[str, str]:
-    """Why a graph computes little in ``precision``, and the fix: the ``kept`` nodes (the fallback's and
-    calibration.exclude_*'s) where they hold most of the FLOPs left in float, else the op types that do, said as
-    ops no runtime computes in integers from Q/DQ (:data:`FLOAT_ONLY`: a GRU; an LSTM, which ONNX Runtime CPU's
-    dynamically quantized graph computes in INT8: :data:`DYNAMIC_RECURRENT`), ops outside ``quantized``
-    (calibration.op_types), or ops the quantizer left in float."""
+def too_little(
+    audit: Audit,
+    precision: str,
+    kept: list[str],
+    quantized: Collection[str],
+    reasons: Mapping[str, str] | None = None,
+) -> tuple[str, str]:
+    """Why a graph computes little in ``precision``, and the fix: the ``kept`` nodes where they hold most of the
+    FLOPs left in float, said by who kept them (``reasons``, node -> why: the settings of calibration.exclude_* and
+    keep_output_layers, whose fix is the setting, apart from the fallback's, kept to pass the gates), else the op
+    types that do, said as ops no runtime computes in integers from Q/DQ (:data:`FLOAT_ONLY`: a GRU; an LSTM, which
+    ONNX Runtime CPU's dynamically quantized graph computes in INT8: :data:`DYNAMIC_RECURRENT`), ops outside
+    ``quantized`` (calibration.op_types), or ops the quantizer left in float."""
     held, by_op = audit.elsewhere(precision, kept)
-    kept_said = f"{len(kept)} nodes kept in float to pass the gates"
+    groups = kept_by(kept, reasons or {})
+    kept_said = ", ".join(f"{_nodes(n)} {KEPT_SAID.get(g, f'excluded by {g}')}" for g, n in groups.items())
+    kept_said = kept_said or "0 nodes kept in float"
     if not by_op or held >= sum(by_op.values()):
-        return kept_said, KEPT_HINT
+        return kept_said, _kept_hint(audit, precision, groups)
     ops = [op for op, _ in by_op.most_common()]
     carry = ", ".join(f"{op} {by_op[op] / audit.total:.0%}" for op in ops[:4])
     lowbit = precision in ("int8", "fp8")
@@ -530,6 +540,48 @@ def too_little(audit: Audit, precision: str, kept: list[str], quantized: Collect
             f"cannot run in {precision}" + (" (on a GPU backend, fp16 keeps it in low precision)" if lowbit else "")
         )
     return "; ".join(said), "; or ".join(fixes)
+
+
+FALLBACK, OTHER = "fallback", "other"  # kept_by's groups besides the settings it names
+KEPT_SAID = {FALLBACK: "kept in float to pass the gates", OTHER: "kept in float (their reasons are in variants.json)"}
+SETTING_FIX = {
+    "calibration.exclude_first_last": "set calibration.exclude_first_last: false",
+    "calibration.keep_output_layers": "set calibration.keep_output_layers: off",
+}
+
+
+def kept_by(kept: list[str], reasons: Mapping[str, str]) -> dict[str, list[str]]:
+    """The ``kept`` nodes grouped by who kept them in float, from ``reasons`` (node -> why): the setting a reason
+    names (``calibration.exclude_op_types``), :data:`FALLBACK` for the fallback's (its rounds', also where inherited
+    from the Q/DQ graph; a node without a reason), :data:`OTHER` for the rest (ranges not finite, a Sin/Cos phase).
+    A user's setting is no gate: saying its nodes were kept "to pass the gates" sends them to loosen gates none
+    missed."""
+    groups: dict[str, list[str]] = {}
+    for node in kept:
+        why = reasons.get(node, "fallback round")
+        setting = re.search(r"calibration\.(?:exclude_\w+|keep_output_layers)", why)
+        group = FALLBACK if "fallback round" in why else setting.group(0) if setting else OTHER
+        groups.setdefault(group, []).append(node)
+    return groups
+
+
+def _nodes(nodes: list[str]) -> str:
+    return f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}"
+
+
+def _kept_hint(audit: Audit, precision: str, groups: dict[str, list[str]]) -> str:
+    """The fix for kept nodes that hold most of the FLOPs left in float: that of the group holding most of them
+    (the fallback's: :data:`KEPT_HINT`; a setting's: take the nodes out of it)."""
+    held = {g: audit.elsewhere(precision, n)[0] for g, n in groups.items()}
+    top = max(held, key=held.__getitem__, default=FALLBACK)
+    if top in (FALLBACK, OTHER):
+        return KEPT_HINT
+    fix = SETTING_FIX.get(top, f"take those nodes out of {top}")
+    return (
+        f"{top} keeps most of the compute in float, in every backend's {precision} graph: {fix} for an {precision} "
+        f"engine (to drop only an {precision} engine that runs slower than FP32, set precision.require_speedup: true "
+        f"instead), or drop {precision} from precision.variants"
+    )
 
 
 def _no_qdq_kernel(never: list[str], precision: str) -> tuple[list[str], list[str], list[str]]:

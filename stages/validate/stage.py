@@ -554,16 +554,26 @@ def choose(engines: list[EngineValidation], order: list[str], margin: float) -> 
             if faster and (ci is None or ci[0] > 1 + margin):
                 best = e
             elif faster:
-                notes[bs] = (
-                    f"{e.name} measured {best.latency_ms[bs].over(e.latency_ms[bs]):.2f}x faster than "
-                    f"{best.name} at p50, within the timing's noise (95 % interval {ci[0]:.2f}-{ci[1]:.2f}x): "
-                    f"{best.name} kept (listed first: backend preference, then name)"
-                )
+                notes[bs] = kept_note(best.name, e.name, best.latency_ms[bs].over(e.latency_ms[bs]), ci, margin)
         if best is not None:
             chosen[bs] = best.name
             if bs in notes and f"{best.name} kept" not in notes[bs]:  # a later engine's clear lead took it after all
                 notes.pop(bs)
     return chosen, notes
+
+
+def kept_note(kept: str, faster: str, ratio: float, ci: tuple[float, float], margin: float) -> str:
+    """Why ``kept`` stays chosen though ``faster`` measured ``ratio`` times faster at p50: its lead is within the
+    timing's noise where the 95 % interval ``ci`` of the ratio reaches 1; where the interval lies above 1 the lead is
+    real but under validate.choice_margin, and saying "noise" there would be false."""
+    interval = f"95 % interval {ci[0]:.2f}-{ci[1]:.2f}x"
+    why = (
+        f"its lead ({interval}) does not clear validate.choice_margin ({margin * 100:g} %)"
+        if ci[0] > 1
+        else f"within the timing's noise ({interval})"
+    )
+    said = f"{faster} measured {ratio:.2f}x faster than {kept} at p50, {why}"
+    return f"{said}: {kept} kept (listed first: backend preference, then name)"
 
 
 def warn_few_rows(log: logging.Logger, n: int, max_samples: int | None) -> None:

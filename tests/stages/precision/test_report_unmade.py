@@ -30,16 +30,31 @@ def test_an_ort_cpu_graph_dropped_beside_a_failed_qdq_graph_leaves_no_int8_cpu_e
     """Both graphs missed: the report says no ONNX Runtime CPU engine is built in int8, not that it loads the Q/DQ
     graph instead."""
     int8 = {"kept_fp32": 5, "unmade": WHY, "ort_cpu_unmade": CPU_WHY, "ort_cpu_scheme": "static"}
-    md = render_markdown(_report({"variants": {"fp32": {"kept_fp32": 0}, "int8": int8}}))
+    md = render_markdown(_report({"variants": {"fp32": {"kept_fp32": 0}, "int8": {**int8, "fallback_passed": False}}}))
     assert f"`int8`: {CPU_WHY}; its Q/DQ graph missed its gates too, so no ONNX Runtime CPU engine is built" in md
     assert "load the Q/DQ graph instead" not in md
+
+
+def test_a_qdq_graph_that_passed_its_gates_is_not_said_to_have_missed_them() -> None:
+    """A Q/DQ graph not made for too little in int8 (calibration.exclude_op_types kept its convolutions) passed
+    every gate: the report says it was not made, not that it missed its gates."""
+    excluded = "int8 not made: 0% of its FLOPs run in int8 (3 nodes excluded by calibration.exclude_op_types)"
+    int8 = {"kept_fp32": 3, "unmade": excluded, "ort_cpu_unmade": CPU_WHY, "fallback_passed": True}
+    md = render_markdown(_report({"variants": {"fp32": {"kept_fp32": 0}, "int8": int8}}))
+    assert f"`int8`: {CPU_WHY}; its Q/DQ graph was not made either, so no ONNX Runtime CPU engine is built" in md
+    assert "gates too" not in md
 
 
 def test_the_stages_log_says_the_same(caplog: pytest.LogCaptureFixture) -> None:
     log = logging.getLogger("kiln.precision")
     with caplog.at_level(logging.WARNING, logger="kiln.precision"):
         _log_variant(
-            log, "int8", {"kept_fp32": [], "path": "int8/model.onnx", "unmade": WHY, "ort_cpu_unmade": CPU_WHY}
+            log,
+            "int8",
+            {
+                **{"kept_fp32": [], "path": "int8/model.onnx", "unmade": WHY, "ort_cpu_unmade": CPU_WHY},
+                "fallback": {"passed": False},
+            },
         )
         _log_variant(log, "fp8", {"kept_fp32": [], "path": "fp8/model.onnx", "ort_cpu_unmade": CPU_WHY})
     said = [r.getMessage() for r in caplog.records]

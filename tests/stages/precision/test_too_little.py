@@ -103,8 +103,36 @@ def test_nodes_the_fallback_kept_are_the_cause_where_they_hold_the_flops(tmp_pat
     conv_then_head(tmp_path / "int8" / "model.onnx")
     entry = _entry(kept=["conv"])
     mark_too_little("int8", entry, tmp_path, {}, OP_TYPES)
-    assert "(1 nodes kept in float to pass the gates)" in entry["unmade"]
+    assert "(1 node kept in float to pass the gates)" in entry["unmade"]
     assert entry["unmade_hint"] == KEPT_HINT
+
+
+def test_nodes_a_setting_excluded_are_said_with_that_setting_not_the_gates(tmp_path: Path) -> None:
+    """calibration.exclude_op_types kept the Conv that holds the FLOPs: no gate kept it, so neither the reason nor the
+    fix speaks of gates; the fix names the setting and precision.require_speedup."""
+    conv_then_head(tmp_path / "int8" / "model.onnx")
+    entry = {**_entry(kept=["conv"]), "reasons": {"conv": "Conv in calibration.exclude_op_types"}}
+    mark_too_little("int8", entry, tmp_path, {}, OP_TYPES)
+    assert "(1 node excluded by calibration.exclude_op_types)" in entry["unmade"]
+    assert "gates" not in entry["unmade"] and "gates" not in entry["unmade_hint"]
+    assert entry["unmade_hint"].startswith("calibration.exclude_op_types keeps most of the compute in float")
+    assert "take those nodes out of calibration.exclude_op_types" in entry["unmade_hint"]
+    assert "precision.require_speedup: true" in entry["unmade_hint"]
+
+
+def test_nodes_kept_by_a_setting_and_by_the_fallback_are_counted_apart(tmp_path: Path) -> None:
+    conv_then_head(tmp_path / "int8" / "model.onnx")
+    reasons = {
+        "conv": "fallback round 1: cosine 0.9",
+        "head": "first/last compute layer (calibration.exclude_first_last)",
+    }
+    entry = {**_entry(kept=["conv", "head"]), "reasons": reasons}
+    mark_too_little("int8", entry, tmp_path, {}, OP_TYPES)
+    assert (
+        "(1 node kept in float to pass the gates, 1 node excluded by calibration.exclude_first_last)"
+        in (entry["unmade"])
+    )
+    assert entry["unmade_hint"] == KEPT_HINT  # the fallback's conv holds most of the FLOPs
 
 
 class _JustUnder:
