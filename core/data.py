@@ -558,7 +558,32 @@ def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> No
             hint=f"label some {'positions' if dense else 'rows'} of {split}_y, or give None for no labels",
         )
     if given.numel() and (int(given.min()) < 0 or int(given.max()) >= num_classes):
+        if _integer_boxes(y, num_classes):
+            raise _integer_boxes_error(y, split, num_classes, ref)
         raise _out_of_range(given, split, num_classes, ref, dense)
+
+
+def _integer_boxes(y: torch.Tensor, num_classes: int) -> bool:
+    """Integer ``[N, M, 5]`` labels whose column 0 holds classes (or a negative padding mark) and whose columns 1-4
+    do not: a detector's (class, x1, y1, x2, y2) in pixels, which integer labels cannot be, since Kiln reads integer
+    labels as class ids at every position (cross-entropy, accuracy)."""
+    if y.ndim != 3 or y.shape[-1] != 5 or not y.numel():
+        return False
+    boxes = y[..., 1:]
+    return int(y[..., 0].max()) < num_classes and bool(((boxes < 0) | (boxes >= num_classes)).any())
+
+
+def _integer_boxes_error(y: torch.Tensor, split: str, num_classes: int, ref: str) -> DataContractError:
+    """The error for integer detection labels (:func:`_integer_boxes`): they are given as float, the dtype of
+    targets that are not all class ids, which ``detection_recall`` and a ``train.loss`` of yours split again."""
+    boxes = y[..., 1:]
+    return DataContractError(
+        f"dataset '{ref}': {split}_y is {str(y.dtype).removeprefix('torch.')}{list(y.shape)}, detection labels "
+        f"(class, x1, y1, x2, y2) with box coordinates from {int(boxes.min())} to {int(boxes.max())}; integer labels "
+        f"are read as class ids at every position, 0..{num_classes - 1} (num_classes {num_classes})",
+        hint=f"give detection labels as float: {split}_y.float() (detection_recall and your train.loss read "
+        "column 0 as the class, a negative class marking padding, and columns 1-4 as the box in the labels' units)",
+    )
 
 
 def _ignore_value(given: torch.Tensor, num_classes: int) -> tuple[int, int] | None:

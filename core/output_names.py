@@ -4,6 +4,7 @@ that run ONNX files (``kiln build``, ``kiln precision``, ``kiln validate``) read
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,8 @@ from kiln.core.labels import floating
 from kiln.core.text import FEATURE_NAMES
 
 SINGLE_OUTPUT = "logits"
+BOX_NAMES = re.compile(r"box|bbox", re.IGNORECASE)  # boxes, bbox, pred_boxes, bbox_pred
+SCORE_NAMES = re.compile(r"score|logit|cls|class|conf|prob", re.IGNORECASE)  # scores, pred_logits, cls_score
 
 
 def logits_name(names: Sequence[str], setting: str | int | None) -> str | None:
@@ -70,9 +73,31 @@ def class_logits(names: Sequence[str], setting: str | int | None, labels: Any, n
     one-hot encoded (:func:`one_hot`, ``num_classes`` wide where the data gives it), whose argmax is the class."""
     if setting is None and labels is not None:
         y = tensors(labels)[0]
+        if detection_labels(y):
+            return detection_scores(names)
         if floating(y) and not one_hot(y, num_classes):
             return None
     return logits_name(names, setting)
+
+
+def detection_labels(y: Any) -> bool:
+    """Float labels ``[N, M, 5]`` (a tensor or an array): a detector's rows of (class, x1, y1, x2, y2), which
+    ``detection_recall`` scores against its boxes and class scores."""
+    a = y if hasattr(y, "dtype") else np.asarray(y)
+    return floating(a) and a.ndim == 3 and a.shape[-1] == 5
+
+
+def detection_scores(names: Sequence[str]) -> str | None:
+    """Of a detector's outputs, the class scores ``detection_recall`` reads beside its boxes, told by name: the one
+    named like scores and not like boxes (:data:`SCORE_NAMES`: ``logits``, ``pred_logits``, ``scores``), else the
+    one output beside the only one named like boxes (:data:`BOX_NAMES`); None where names do not tell. Their argmax
+    is the class decision, a DETR-style head's "no object" included."""
+    boxes = [n for n in names if BOX_NAMES.search(n) and not SCORE_NAMES.search(n)]
+    rest = [n for n in names if n not in boxes]
+    scores = [n for n in rest if SCORE_NAMES.search(n) and not BOX_NAMES.search(n)]
+    if len(scores) == 1:
+        return scores[0]
+    return rest[0] if len(boxes) == 1 and len(rest) == 1 else None
 
 
 def one_hot(y: Any, num_classes: int = 0) -> bool:

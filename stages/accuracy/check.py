@@ -42,7 +42,7 @@ from kiln.core.labels import (
     without_padding,
 )
 from kiln.core.labels import accuracy as label_accuracy
-from kiln.core.output_names import logits_name, one_hot
+from kiln.core.output_names import detection_labels, logits_name, one_hot
 from kiln.core.records import EngineValidation
 from kiln.core.shapes import Axes, axis_sizes, length_inputs, resize, shape_points
 from kiln.stages.accuracy.config import CheckConfig, GatesConfig
@@ -1686,7 +1686,8 @@ def top1_output(
     ``num_classes``, or one entry in a binary task (:func:`binary_task`: a binary classifier's one logit,
     :func:`binary_logit`, which without a class axis is one value per each of ``rows``, the rows it answers); else
     None (logged; as a warning where it has one class more than the data, a no-object
-    class: :func:`_say_no_object`). A model's only output is ``logits`` by
+    class: :func:`_say_no_object`, unless the labels are a detector's, :func:`detection_labels`, whose class scores
+    hold that class). A model's only output is ``logits`` by
     default whatever it holds: without classes, or of another width, it may be an embedding (a ViT backbone without
     its head, one trained with a loss of the user's on labelled data), whose argmax is no class and whose top-1
     agreement would pass or fail an engine at random. It is then compared as outputs without class logits are:
@@ -1703,6 +1704,8 @@ def top1_output(
         return None
     if logits is None or named:
         return logits
+    if data is not None and detection_labels(data.val_y if data.val_y is not None else data.train_y):
+        return logits  # a detector's class scores beside its boxes (class_logits), a no-object class included
     # the direct commands' user gave the inputs and sees no report: said where they look, unless the output has one
     # channel on axis 1 past two axes (a waveform [N, 1, T], a one-channel map), which holds no class scores
     loud = data is None and not (output is not None and output.ndim >= 3 and output.shape[1] == 1)

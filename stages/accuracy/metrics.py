@@ -40,14 +40,13 @@ from kiln.core.compare import class_axis
 from kiln.core.errors import ConfigError, KilnError, ModelError
 from kiln.core.labels import IGNORE_LABEL, are_indices, per_position
 from kiln.core.labels import accuracy as label_accuracy
+from kiln.core.output_names import BOX_NAMES, SCORE_NAMES
 from kiln.models.registry import resolve_callable
 
 # what a metric scores the outputs against: the held-out labels, or the reference's outputs by name (no labels)
 Labels = np.ndarray | dict[str, np.ndarray]
 MetricFn = Callable[[dict[str, np.ndarray], Labels], float]
 IOU = 0.5  # detection_recall: a label box is found by a prediction of its class overlapping it this much
-BOX_NAMES = re.compile(r"box|bbox", re.IGNORECASE)  # boxes, bbox, pred_boxes, bbox_pred
-SCORE_NAMES = re.compile(r"score|logit|cls|class|conf|prob", re.IGNORECASE)  # scores, pred_logits, cls_score
 # detection_recall's boxes: what a reference that scores 0 is most often given instead (said where it is warned of)
 BOX_FORMAT = (
     "boxes must be (x1, y1, x2, y2) in the labels' units; transformers' detectors give (cx, cy, w, h), normalised: "

@@ -51,6 +51,8 @@ class Task:
     labels: bool = True  # False: the data has none, and train.loss is called as loss(outputs, None) (label_free)
     # what :meth:`loss` has checked of the model's output graph once, which every later step's repeats
     checked: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
+    # the batch at which :func:`check_task` saw class logits as wide as it (:meth:`_refuse_batch_classes` compares)
+    batch_wide_at: list[int] = field(default_factory=list, init=False, compare=False, repr=False)
 
     def target(self, out: Any) -> torch.Tensor:
         """The output the built-in loss (and accuracy) reads."""
@@ -70,13 +72,14 @@ class Task:
         training, validation and the checks before training all refuse one that is not a scalar tensor."""
         if self.user_loss is not None:
             value = self.user_loss(self.loss_input(out), y if self.labels else None)
-            return scalar_loss(self.user_loss, value, out)
+            return scalar_loss(self.user_loss, value, out, self.labels)
         target = self.target(out)
         check_rows(target, len(y), self.trains)
         if self.kind == "classification":
             y = y.long()  # class indices of any integer dtype (int32 from numpy, uint8): cross-entropy takes int64
             if not self.trains and not labels.are_indices(target, y):  # several targets per sample: no loss reads
                 return no_loss(out, y)
+            self._refuse_batch_classes(target, y, out)
             return labels.dense_cross_entropy(target.float(), y)
         if self.kind == "binary":
             self._refuse_sigmoid_once(target)
@@ -89,6 +92,19 @@ class Task:
         if "sigmoid" not in self.checked and logit.grad_fn is not None:
             refuse_sigmoid(logit)
             self.checked.add("sigmoid")
+
+    def _refuse_batch_classes(self, target: torch.Tensor, y: torch.Tensor, out: Any) -> None:
+        """Class logits as wide as the batch at the probe (:func:`check_task`) and again at a batch of another size
+        follow the batch (CLIP's ``logits_per_image [images, texts]``): cross-entropy against class labels would
+        train on them without error. Told at the first call whose batch differs from the probe's, before a step;
+        where nothing trains, only for the output signature.logits_output names (validation refuses it too)."""
+        if not self.batch_wide_at or len(y) in self.batch_wide_at or "batch classes" in self.checked:
+            return
+        if not self.trains and self.logits_output is None:  # nothing trains on the default output: validation warns
+            return
+        self.checked.add("batch classes")
+        if target.ndim == 2 and target.shape[1] == len(y):
+            raise batch_classes_error(_logits_output(self, out), self.logits_output is not None)
 
     def loss_input(self, out: Any) -> Any:
         """What train.loss is given: the model's outputs as ``forward`` returns them, the contract of a function of
@@ -757,11 +773,12 @@ def _targets_fix(fn: LossFn, read: str, pred: Any, y: torch.Tensor, exc: BaseExc
     return f"{loss_name(fn)} takes targets {wants}: return labels {given} from the data function, or {call}"
 
 
-def scalar_loss(fn: LossFn, value: Any, out: Any) -> torch.Tensor:
+def scalar_loss(fn: LossFn, value: Any, out: Any, labelled: bool = True) -> torch.Tensor:
     """train.loss's result ``value`` as the scalar tensor the backward pass and the loss statistics take, or a
     ConfigError saying what it returned instead (a tuple, a Python number, a per-sample vector): a traceback from
     backward() or from the statistics otherwise. A tensor of one element (shape ``[1]``) is that element, squeezed
-    to a scalar: it holds one loss as well."""
+    to a scalar: it holds one loss as well. ``labelled``: the loss is given labels (False: it is called with
+    ``targets=None``, and the fix names no loss of targets)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.reshape(())
     if isinstance(value, torch.Tensor):
@@ -773,14 +790,15 @@ def scalar_loss(fn: LossFn, value: Any, out: Any) -> torch.Tensor:
         got = f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
     raise ConfigError(
         f"train.loss {loss_name(fn)} returned {got}; it must return one scalar tensor",
-        hint=_scalar_hint(value, out),
+        hint=_scalar_hint(value, out, labelled),
     )
 
 
-def _scalar_hint(value: Any, out: Any) -> str:
+def _scalar_hint(value: Any, out: Any, labelled: bool = True) -> str:
     """The fix for a train.loss that returned ``value``, not a scalar tensor, by what it returned: a research
     trainer's ``(loss, stats)`` needs its loss alone, a Python number (``.item()``) the tensor it came from (training
-    backpropagates through it), and only a tensor of many numbers a reduction."""
+    backpropagates through it), and only a tensor of many numbers a reduction: a loss of targets with its default
+    reduction only where there are targets (``labelled``; a label-free loss is given None)."""
     if isinstance(value, (tuple, list)):
         return "return only the loss tensor (e.g. loss, _ = ...; return loss): the other items are not used"
     if isinstance(value, dict) and value:
@@ -791,6 +809,8 @@ def _scalar_hint(value: Any, out: Any) -> str:
             "return the loss tensor computed from the outputs it is given, without .item()/float(): training "
             "backpropagates through it"
         )
+    if isinstance(value, torch.Tensor) and not labelled:
+        return "reduce the returned tensor to one number (e.g. with .mean()): training backpropagates one scalar"
     if isinstance(value, torch.Tensor):
         return (
             "reduce a per-sample loss to one number with .mean() (or call the loss with its default reduction, "
@@ -832,9 +852,24 @@ def _several_targets(target: torch.Tensor, y: torch.Tensor, model_ref: str) -> M
     )
 
 
-def _class_count_hint(target: torch.Tensor, num_classes: int) -> str:
+def batch_classes_error(output: str | None, named: bool) -> ConfigError:
+    """The error for class logits whose class axis follows the batch (validation's, where it finds them): their
+    argmax picks a row of the batch, which no class label names. ``named``: signature.logits_output names them."""
+    said = (
+        f"the class axis of output '{output}' is as long as the batch (one entry per row of it, as an "
+        "[images, texts] similarity's), not classes"
+    )
+    return ConfigError(
+        f"{said}: signature.logits_output names it as class logits" if named else f"{said}: it cannot train on labels",
+        hint="name an output whose last axis holds the classes in signature.logits_output, or set train.loss to a "
+        "loss of yours over the batch (a contrastive one) and score the outputs with validate.metric",
+    )
+
+
+def _class_count_hint(target: torch.Tensor, num_classes: int, named: bool = False) -> str:
     """The fix for class logits too few for the dataset's classes. One logit per row beside two classes is a
-    binary classifier's head (a click-through model's), which trains on float 0/1 labels, not class indices."""
+    binary classifier's head (a click-through model's), which trains on float 0/1 labels, not class indices.
+    ``named``: signature.logits_output already names this output, so the fix is another output, not naming one."""
     if num_classes <= 2 and target.ndim in (1, 2) and target.numel() == len(target):
         shaped = "[N, 1] (y.float().view(-1, 1))" if target.ndim == 2 else "[N] (y.float())"
         return (
@@ -842,6 +877,11 @@ def _class_count_hint(target: torch.Tensor, num_classes: int) -> str:
             "train.loss: torch.nn.functional:binary_cross_entropy_with_logits and num_classes=2 kept in DatasetSplits "
             "(validation holds its decision to top-1 agreement and accuracy), or make the model return two logits "
             "[N, 2] for the integer labels (cross-entropy)"
+        )
+    if named:
+        return (
+            "name an output whose last axis holds the dataset's classes in signature.logits_output, or give the model "
+            "as many class logits as the dataset has classes (its num_classes; num_labels in a transformers config)"
         )
     return (
         "give the model as many class logits as the dataset has classes (its num_classes; num_labels in a "
@@ -1037,12 +1077,7 @@ def check_task(
     elif task.kind == "classification":
         if target.ndim > 2 and y.ndim == 1:
             raise _per_row_labels(target, y, model_ref)
-        if target.ndim != 2 or target.shape[1] < max(num_classes, 2):
-            raise ModelError(
-                f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for a batch "
-                f"of 2, but the dataset has {num_classes} classes",
-                hint=_class_count_hint(target, num_classes),
-            )
+        _check_class_count(task, target, len(y), num_classes, model_ref)
     elif tuple(target.shape) != tuple(y.shape):
         # float labels of a classifier (the data declares classes, the output has a row of scores per label)
         classes = num_classes > 0 and target.ndim == y.ndim + 1 and _positions(target) == tuple(y.shape)
@@ -1053,6 +1088,23 @@ def check_task(
             if classes
             else "make the targets match the output, name the output in signature.logits_output, or set train.loss",
         )
+
+
+def _check_class_count(task: Task, target: torch.Tensor, batch: int, num_classes: int, model_ref: str) -> None:
+    """Class logits of one row per sample hold at least the dataset's classes. Where they are as wide as the probe's
+    ``batch``, the task records it: the first training batch of another size tells whether they follow the batch
+    (:meth:`Task._refuse_batch_classes`), which this probe alone cannot tell from as many classes."""
+    wide = target.ndim == 2 and target.shape[1] == batch
+    if wide and batch not in task.batch_wide_at and task is not CLASSIFY:  # the shared default records nothing
+        task.batch_wide_at.append(batch)
+    if target.ndim == 2 and target.shape[1] >= max(num_classes, 2):
+        return
+    follows = ": its class axis is as long as the batch (an [images, texts] similarity's would be)" if wide else ""
+    raise ModelError(
+        f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for a batch of {batch}, but the "
+        f"dataset has {num_classes} classes{follows}",
+        hint=_class_count_hint(target, num_classes, task.logits_output is not None),
+    )
 
 
 def _check_one_logit(target: torch.Tensor, y: torch.Tensor, model_ref: str) -> None:

@@ -108,8 +108,18 @@ def prepare_baseline(
     except Exception as exc:  # reported, not fatal
         base.error = f"{type(exc).__name__}: {first_line(exc, 200)}"
         return base, {}
-    base.memory = Memory(peak_mb=mem.peak_mb, method=mem.method, size_bytes=weights_bytes(m))
+    size = weights_bytes(m)
+    base.memory = Memory(peak_mb=_with_weights(mem.peak_mb, size), method=mem.method, size_bytes=size)
     return base, timers
+
+
+def _with_weights(peak_mb: float | None, size_bytes: int) -> float | None:
+    """The baseline's peak memory (load and largest batch, as the engines' figure is), at least the ``size_bytes`` of
+    weights it holds: the copy of them made inside the meter is its load, and a sampled growth can fall short of it
+    where the process frees other memory meanwhile. None (not measured) stays None."""
+    if peak_mb is None:
+        return None
+    return max(peak_mb, float(f"{size_bytes / 2**20:.3g}"))
 
 
 def measure(

@@ -594,8 +594,9 @@ def _no_class_logits(b: Any) -> str:
     error metric, or an output ``signature.logits_output`` names beside float targets (:data:`NAMED_PREDICTION`), are
     a regression's values (``accuracy_note`` says so); several outputs, none named ``logits``, leave
     none by default; else the output that is the default was not held as class logits, which it is only beside
-    integer labels (or ``num_classes`` without labels) and a class axis ``num_classes`` wide, or as one logit per
-    row (``[N, 1]`` or ``[N]``) in a two-class task (:func:`kiln.stages.accuracy.check.top1_output`)."""
+    integer labels (or ``num_classes`` without labels) and a class axis ``num_classes`` wide, as one logit per
+    row (``[N, 1]`` or ``[N]``) in a two-class task (:func:`kiln.stages.accuracy.check.top1_output`), or as the
+    class scores beside detection labels (:func:`kiln.core.output_names.detection_scores`)."""
     names, metric = b.compared, b.metric_name or (DEFAULT if b.metric is not None else None)
     if b.accuracy_note and (metric in RELATIVE or NAMED_PREDICTION in b.accuracy_note):
         return b.accuracy_note
@@ -607,8 +608,9 @@ def _no_class_logits(b: Any) -> str:
         )
     return (
         f"output '{default}' is taken as class logits by default only beside integer labels (or num_classes without "
-        "labels) with a class axis num_classes wide (a DETR-style head's is one wider, for no object), or as one "
-        "logit per row ([N, 1] or [N]) beside 0/1 labels with num_classes=2: set "
+        "labels) with a class axis num_classes wide, as one logit per row ([N, 1] or [N]) beside 0/1 labels with "
+        "num_classes=2, or beside detection labels (float [N, M, 5]) where the outputs' names alone tell the class "
+        "scores (a DETR-style head's no-object class included) from the boxes: set "
         f"`signature.logits_output: {default}` if it holds class logits"
     )
 

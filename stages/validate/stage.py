@@ -35,6 +35,7 @@ from kiln.core.data import (
 from kiln.core.inputs import check_batch_fits
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
+from kiln.core.output_names import detection_scores
 from kiln.core.outputs import SINGLE_OUTPUT, class_logits, host_arrays, logits_name, named_outputs
 from kiln.core.records import (
     NONE_VALIDATED,
@@ -769,10 +770,12 @@ def unscored(ref: Reference, data: DatasetSplits, named: str | int | None = None
 
 def _box_outputs(y: np.ndarray, outputs: dict[str, Any]) -> list[str]:
     """The outputs that look like a detector's boxes (``[N, K, 4]``) where the targets look like its labelled
-    boxes (``[N, M, 5]``: class, x1, y1, x2, y2): what ``detection_recall`` scores; empty otherwise."""
+    boxes (``[N, M, 5]``: class, x1, y1, x2, y2): what ``detection_recall`` scores; empty otherwise. The class
+    scores of four classes are ``[N, K, 4]`` too: left out where their name tells them (:func:`detection_scores`)."""
     if y.ndim != 3 or y.shape[-1] != 5:
         return []
-    return [n for n, v in outputs.items() if np.ndim(v) == 3 and np.shape(v)[-1] == 4]
+    scores = detection_scores(list(outputs))
+    return [n for n, v in outputs.items() if np.ndim(v) == 3 and np.shape(v)[-1] == 4 and n != scores]
 
 
 def _one_logit_beside_binary(data: DatasetSplits, y: np.ndarray, fit: list[str]) -> bool:

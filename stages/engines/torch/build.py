@@ -180,7 +180,7 @@ def _served(model: Any, names: list[str], precision: str, channels_last: bool, a
         def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             xs = tuple(x.to(dtype) if x.dtype == torch.float32 else x for x in xs)
             if channels_last:
-                xs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in xs)
+                xs = tuple(_in_channels_last(x) for x in xs)
             with torch.autocast(autocast, dtype=dtype) if autocast else contextlib.nullcontext():
                 out = self.model(**dict(zip(names, xs))) if keywords else self.model(*xs)
             return tuple(o.float() if o.dtype in halves else o for o in flatten_outputs(out).values())
@@ -507,7 +507,7 @@ def _capture(
     import torch
 
     if settings["channels_last_weights"]:
-        model = model.to(memory_format=torch.channels_last)
+        model = _weights_in_channels_last(model)
     autocast = req.device if settings.get("autocast") else None
     names = [i.name for i in req.inputs]
     served = _served(model, names, req.precision, settings["channels_last"], autocast).eval()
@@ -516,6 +516,28 @@ def _capture(
         with torch.inference_mode():
             exported = exported.run_decompositions({})
     return exported, one_size, steps
+
+
+def _in_channels_last(t: Any) -> Any:
+    """``t`` in ``channels_last`` where it is 4-D (a Conv2d's weights and images), else as it is. A 5-D tensor (a
+    Conv3d's) keeps its layout: ``channels_last`` has no 5-D form, and ``channels_last_3d`` made an AOTInductor
+    package on the CPU answer a batch of one otherwise than the same rows in a larger batch (torch 2.13)."""
+    import torch
+
+    return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
+
+
+def _weights_in_channels_last(model: Any) -> Any:
+    """``model`` with its 4-D parameters and buffers in ``channels_last`` (:func:`_in_channels_last`), the others
+    as they are: ``model.to(memory_format=torch.channels_last)`` refuses a Conv3d's 5-D weights. A failure here is
+    the layout's, not torch.export's: a BuildError saying so."""
+    try:
+        return model._apply(_in_channels_last)  # what Module.to applies, to the 4-D tensors only
+    except RuntimeError as exc:
+        raise BuildError(
+            f"the model's weights could not be put in the channels_last memory format: {first_line(exc, 300)}",
+            hint="set build.torch.channels_last: off (it changes the memory layout only)",
+        ) from None
 
 
 def _export(served: Any, args: tuple[Any, ...], dynamic: Any, names: list[str]) -> tuple[Any, OneSize, Steps]:
