@@ -3,10 +3,10 @@ DDP over ``--nproc`` processes (``train.distributed.nproc_per_node``, torchrun +
 ``kiln run --until train`` on the same config (the built-in demo by default).
 
 What a user waits for is the run's wall time (the process, start to exit); beside it the train stage's own
-seconds (report.json), the last epoch's training samples/s as the loop measures it (rank 0's; validation
-excluded) and the final validation accuracy, so a faster mode that learns less shows. Rounds rotate which mode
-goes first; the table gives medians and the spread (min-max) over rounds, the JSON every round and the machine's
-load average before and after each run: a shared machine's load moves every figure.
+seconds (report.json), the last epoch's training samples/s as the loop measures it (every process's samples over
+their mean time; validation excluded) and the final validation accuracy, so a faster mode that learns less shows.
+Rounds rotate which mode goes first; the table gives medians and the spread (min-max) over rounds, the JSON every
+round and the machine's load average before and after each run: a shared machine's load moves every figure.
 
     python benchmarks/cpu_train_modes.py --rounds 3 --out benchmarks/results
     python benchmarks/cpu_train_modes.py --rounds 1 --epochs 1 --out /tmp/ctm     # a quick look

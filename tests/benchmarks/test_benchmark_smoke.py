@@ -271,3 +271,13 @@ def test_cached_rerun_bench_times_a_user_project_both_ways(tmp_path: Path) -> No
     res = json.loads((tmp_path / "cached_rerun.json").read_text())
     assert set(res["cached_rerun"]) == {"off", "on"} and res["fresh_run_s"] > 0
     assert all(len(r["runs"]) == 1 and r["median_s"] > 0 for r in res["cached_rerun"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_cpu_train_modes_runs_each_mode_and_tables_them(tmp_path: Path) -> None:
+    """One round of one epoch of each mode (eager, compiled, DDP over two processes) on the demo."""
+    _run("cpu_train_modes.py", "--rounds", "1", "--epochs", "1", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "cpu_train_modes.json").read_text())["rows"]
+    assert len(rows) == 3 and all("error" not in r and r["train_s"] > 0 for runs in rows.values() for r in runs), rows
+    assert next(iter(rows["compile, 1 process"]))["compile_s"] > 0
