@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 log = logging.getLogger("kiln.core.threads")
 
-# PyTorch's own thread count while cpu_threads_for_load has lowered it (None: not lowered), for own_threads
+# PyTorch's own thread count while cpu_threads_for_load has lowered it (None: not lowered), for lowered_from
 _lowered_from: int | None = None
 # Inside cpu_threads_for_load's block where Kiln chose the count: (cores, PyTorch's own count, the block's first
 # count), for follow_load; None outside one and where the user chose (OMP_NUM_THREADS)
@@ -79,17 +79,7 @@ def follow_load() -> int | None:
     return threads
 
 
-@contextmanager
-def own_threads() -> Iterator[int]:
-    """PyTorch on its own thread count for the block, where :func:`cpu_threads_for_load` lowered it: timing, where a
-    PyTorch baseline on fewer threads than an ONNX Runtime engine (one per physical core, as PyTorch's own count)
-    would credit the engine with the difference. Yields the count PyTorch runs on in the block."""
-    import torch
-
-    lowered = torch.get_num_threads()
-    if _lowered_from is not None:
-        torch.set_num_threads(_lowered_from)
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch.set_num_threads(lowered)
+def lowered_from() -> int | None:
+    """PyTorch's own thread count where :func:`cpu_threads_for_load` (or :func:`follow_load`) lowered it for the load
+    now; None where nothing is lowered."""
+    return _lowered_from

@@ -89,12 +89,15 @@ def library_frame(exc: BaseException) -> tuple[traceback.FrameSummary, str] | No
 
 def where(frame: traceback.FrameSummary) -> str:
     """``name() at file:line``, the file relative to the current folder when it lies inside it."""
-    path = Path(frame.filename)
+    return f"{frame.name}() at {relative_path(frame.filename)}:{frame.lineno}"
+
+
+def relative_path(filename: str) -> str:
+    """``filename`` relative to the current folder when it lies inside it, else as given."""
     try:
-        path = path.relative_to(Path.cwd())
+        return str(Path(filename).relative_to(Path.cwd()))
     except (ValueError, OSError):
-        pass
-    return f"{frame.name}() at {path}:{frame.lineno}"
+        return filename
 
 
 def _file_hint(exc: BaseException) -> str:

@@ -23,6 +23,7 @@ from kiln.core.user_errors import (
     MAIN_GUARD,
     exit_call,
     is_user_file,
+    relative_path,
     user_code_error,
     user_exit_error,
     user_frame,
@@ -273,7 +274,7 @@ def _inner_import_error(exc: ImportError, module_name: str, kind: str, ref: str)
     """The error for an import failing inside the user's module: the import's file:line, and as the fix installing
     a missing package or the module a local import names."""
     frame = user_frame(exc)
-    at = f"{_relative(frame.filename)}:{frame.lineno}" if frame is not None else f"module '{module_name}'"
+    at = f"{relative_path(frame.filename)}:{frame.lineno}" if frame is not None else f"module '{module_name}'"
     head = f"importing module '{module_name}' for {kind} '{ref}' failed"
     missing = exc.name or ""
     if not isinstance(exc, ModuleNotFoundError):
@@ -282,7 +283,7 @@ def _inner_import_error(exc: ImportError, module_name: str, kind: str, ref: str)
     if _findable(top):  # a package that exists, without the submodule asked for
         folder = _users_folder(top)
         rest = missing.split(".")[1:]
-        create = f"create {_relative(str(Path(folder, *rest).with_suffix('.py')))} or " if folder and rest else ""
+        create = f"create {relative_path(str(Path(folder, *rest).with_suffix('.py')))} or " if folder and rest else ""
         return ConfigError(
             f"{head}: '{missing}', imported at {at}, does not exist",
             hint=f"{create}correct the import at {at}",
@@ -300,14 +301,6 @@ def _users_folder(top: str) -> Path | None:
     if spec is None or not spec.origin or not spec.submodule_search_locations or not is_user_file(spec.origin):
         return None
     return Path(spec.origin).parent
-
-
-def _relative(filename: str) -> str:
-    """``filename`` relative to the current folder when it lies inside it."""
-    try:
-        return str(Path(filename).relative_to(Path.cwd()))
-    except (ValueError, OSError):
-        return filename
 
 
 def _import_site(exc: BaseException) -> str:

@@ -251,13 +251,8 @@ def cache_key(
     for up in stage.inputs:
         m = read_manifest(workdir / up)
         inputs[up] = handed_on(m) if m else None
-    parts = {
-        "code": hash_source(*stage.code),
-        "config": config_parts(stage, config),
-        "inputs": inputs,
-        "env": stage.env(settings_for(stage, config)),
-    }
-    parts |= user_parts(stage, config)
+    parts = {"code": hash_source(*stage.code), "inputs": inputs, "env": stage.env(settings_for(stage, config))}
+    parts |= user_parts(stage, config)  # the config part, and the user's code
     memo = {} if fingerprints is None else fingerprints
     for name in stage.data:
         if name not in memo:

@@ -709,9 +709,7 @@ def gates_for(cfg: CheckConfig | GatesConfig, precision: str, no_class_logits: b
     stays as set: unset, :func:`rel_err_limits` holds every float output but 8-bit softmax class logits to the
     derived one.
     ``gated_outputs`` is in the gates only where set (:func:`accuracy_failures` reads it; absent: every output)."""
-    config = cfg.gates if isinstance(cfg, CheckConfig) else cfg
-    gates = config.model_dump(exclude=None if config.gated_outputs else {"gated_outputs"})  # None: every output
-    gates.update(gates.pop("per_precision").get(precision, {}))
+    gates = (cfg.gates if isinstance(cfg, CheckConfig) else cfg).of_precision(precision)
     if no_class_logits and gates.get("max_rel_err") is None:
         gates["max_rel_err"] = derived_rel_err(gates)
     return gates

@@ -174,6 +174,13 @@ class GatesConfig(Section):
             merged[precision] = {**merged[precision], **overrides} if both else overrides
         return merged
 
+    def of_precision(self, precision: str) -> dict[str, Any]:
+        """The gates an engine of ``precision`` is held to: these, with that precision's ``per_precision`` values
+        merged in gate by gate; ``gated_outputs`` only where set (absent: every output)."""
+        gates = self.model_dump(exclude=None if self.gated_outputs else {"gated_outputs"})
+        own = gates.pop("per_precision").get(precision, {})
+        return gates | own
+
     @field_validator("per_precision")
     @classmethod
     def _known_overrides(cls, value: dict[str, dict[str, float | None]]) -> dict[str, dict[str, float | None]]:

@@ -39,10 +39,11 @@ HEADER = """\
 """
 
 
-def application(model: str, meta: EngineMetadata, cfg: RayConfig) -> dict[str, Any]:
+def application(model: str, meta: EngineMetadata, cfg: RayConfig, max_batch: int | None = None) -> dict[str, Any]:
     """One engine's application: its route, the builder's args (the engine folder relative to the package folder;
     batches no larger than the engine takes and was validated for, as the replica forms them:
-    :func:`~kiln.stages.package.triton.served_max_batch`), the replicas and the GPUs each one takes."""
+    :func:`~kiln.stages.package.triton.served_max_batch` of ``max_batch``, else of ``ray.max_batch_size``), the
+    replicas and the GPUs each one takes."""
     gpus = cfg.gpus_per_replica if cfg.gpus_per_replica is not None else (1.0 if meta.device == "cuda" else 0.0)
     return {
         "name": model,
@@ -55,7 +56,7 @@ def application(model: str, meta: EngineMetadata, cfg: RayConfig) -> dict[str, A
             "gpus_per_replica": gpus,
             "cpus_per_replica": cfg.cpus_per_replica,
             # 0: an engine that cannot batch requests (an output without a batch axis) runs each one whole
-            "max_batch_size": served_max_batch(meta, cfg.max_batch_size),
+            "max_batch_size": served_max_batch(meta, cfg.max_batch_size if max_batch is None else max_batch),
             "batch_wait_timeout_s": cfg.batch_wait_timeout_s,
         },
     }

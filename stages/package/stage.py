@@ -32,7 +32,7 @@ __all__ = [
 
 from kiln.stages.engines.backend import SIDECAR, engine_dirs, read_metadata
 from kiln.stages.package import kserve, rayserve
-from kiln.stages.package.config import PackageConfig
+from kiln.stages.package.config import PackageConfig, RayConfig
 from kiln.stages.package.declaration import PackageSettings, PackageSummary
 from kiln.stages.package.triton import (
     batchable,
@@ -129,7 +129,7 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             write_python_model(ctx.out / "triton-python" / model_name, packaged_dir, meta, max_batch)
             record["triton_python_model"] = model_name
         if cfg.ray.enabled:
-            ray_apps.append(rayserve.application(model_name, meta, cfg.ray))
+            ray_apps.append(rayserve.application(model_name, meta, cfg.ray, _max_batch(cfg.ray, meta)))
             record["ray_route"] = ray_apps[-1]["route_prefix"]
         packaged.append(record)
     if capped:  # a warning where the user asked for the larger batch; the default's cap is information
@@ -148,10 +148,11 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
     return PackageSummary(models=packaged)
 
 
-def _max_batch(cfg: PackageConfig, meta: EngineMetadata) -> int:
-    """The Triton repositories' ``max_batch_size`` for ``meta``'s engine: ``package.max_batch_size`` where the config
-    sets it, else the default or the largest batch the engine was validated at (and its profiles take), the larger:
-    servers take batches up to the largest validated (docs/serving.md), and a default holds none below it."""
+def _max_batch(cfg: PackageConfig | RayConfig, meta: EngineMetadata) -> int:
+    """The largest batch a server of ``meta``'s engine forms, as ``cfg`` (the Triton repositories' section, or Ray's)
+    gives it: its ``max_batch_size`` where the config sets it, else the default or the largest batch the engine was
+    validated at (and its profiles take), the larger: servers take batches up to the largest validated
+    (docs/serving.md), and a default holds none below it."""
     limit = engine_max_batch(meta)
     if "max_batch_size" in cfg.model_fields_set or limit is None or not batchable(meta):
         return cfg.max_batch_size

@@ -26,16 +26,10 @@ PRECISION_GATES = tuple(f"validate.gates.{g}" for g in GatesConfig.model_fields 
 
 
 def variant_gates(settings: PrecisionSettings) -> dict[str, dict[str, Any]]:
-    """The gates each variant precision judges is held to, by precision: the section with that precision's
-    ``per_precision`` overrides merged in, as :func:`kiln.stages.accuracy.check.gates_for` merges them (everything
-    it reads, here without the numpy that module loads: the key is computed on every run, a cached one included).
-    The FP32 variant is the optimized graph itself, judged by no gate here: its gates are validation's alone."""
-    out = {}
-    for precision in dict.fromkeys(settings.precision.variants):
-        if precision != "fp32":
-            gates = settings.gates.model_dump(mode="json")
-            out[precision] = gates | gates.pop("per_precision").get(precision, {})
-    return out
+    """The gates each variant precision judges is held to, by precision (:meth:`GatesConfig.of_precision`, as
+    validation holds its engines to them). The FP32 variant is the optimized graph itself, judged by no gate here:
+    its gates are validation's alone."""
+    return {p: settings.gates.of_precision(p) for p in dict.fromkeys(settings.precision.variants) if p != "fp32"}
 
 
 @dataclass(frozen=True)

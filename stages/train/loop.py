@@ -72,7 +72,6 @@ from kiln.stages.train.precision import (
 )
 from kiln.stages.train.runtime import determinism, profiler
 from kiln.stages.train.task import (
-    CLASSIFY,
     Task,
     bce_autocast_fix,
     check_loss_has_grad,
@@ -100,12 +99,15 @@ def evaluate_loss_acc(
     device: torch.device,
     env: DistEnv = DistEnv(),
     batch: int = 256,
-    task: Task = CLASSIFY,
+    task: Task | None = None,
     forward: Callable[..., Any] | None = None,
 ) -> tuple[float, float | None]:
     """FP32 validation loss and accuracy (None without class labels); each process takes every W-th sample,
     then one all-reduce. ``batch``: the rows of one call, no more than the model takes (the training loop passes
-    its micro-batch). ``forward``: what runs ``model`` (its compiled version), by default ``model`` itself."""
+    its micro-batch). ``forward``: what runs ``model`` (its compiled version), by default ``model`` itself.
+    ``task``: the loss; None is cross-entropy over class labels, a Task of this call's own (a Task records what it
+    has checked during a run, so none is shared between calls)."""
+    task = task if task is not None else Task("classification")
     was_training = model.training
     model.eval()
     run = forward or model
@@ -194,13 +196,14 @@ def train(
     run_key: str = "",
     out_dir: Path | None = None,
     on_step: StepHook | None = None,
-    task: Task = CLASSIFY,
+    task: Task | None = None,
     sources: dict[str, Any] | None = None,
 ) -> TrainResult:
     """Train ``model`` in place (returned on CPU, eval mode). Only the main process writes files:
     checkpoints into ``ckpt_dir``, ``loss.png``/``trace.json`` into ``out_dir``. ``sources``: the code and data
     the run trains from (:func:`kiln.stages.train.checkpoint.changed_sources`), recorded with its checkpoints; an
-    interrupted run resumes only from the same (None: not compared)."""
+    interrupted run resumes only from the same (None: not compared). ``task``: the loss (None: cross-entropy over
+    class labels, see :func:`evaluate_loss_acc`)."""
     env = env or env_from_torchrun()
     device = resolve_device(cfg, env.local_rank if env.enabled else None)
     precision = resolve_precision(cfg, device)
@@ -267,7 +270,7 @@ class _Trainer:
         ckpt_dir: Path | None,
         run_key: str,
         on_step: StepHook | None,
-        task: Task = CLASSIFY,
+        task: Task | None = None,
         sources: dict[str, Any] | None = None,
         outputs: Path | None = None,
     ) -> None:
@@ -287,7 +290,9 @@ class _Trainer:
         # optimizers), so the host may look at a step's values late. Otherwise it decides at once.
         self.device_skip = self.scaler.is_enabled() or skips_on_device(self.opt)
         self.stats = LaggedStats(device, lag=1, max_lag=MAX_LAG) if self.device_skip else LaggedStats(device, lag=0)
-        self.task = task  # the loss: cross-entropy, MSE or the user's (kiln.stages.train.task)
+        # the loss: cross-entropy, MSE or the user's (kiln.stages.train.task); None: cross-entropy, a Task of this
+        # run's own, since a Task records what it has checked during a run
+        self.task = task if task is not None else Task("classification")
         self.result = TrainResult(
             precision=precision,
             device=str(device),

@@ -796,16 +796,19 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _tables(
-    probe: torch.Tensor, before: int | None, lookups: EmbeddingLookups
-) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+# An embedding lookup of an input's ids the data holds: the table, the columns of the input's last axis it took
+# (``()``: the whole input) and the constant the model shifts them by first (None: none)
+Lookup = tuple[torch.Tensor, tuple[int, ...], torch.Tensor | None]
+
+
+def _tables(probe: torch.Tensor, before: int | None, lookups: EmbeddingLookups) -> list[Lookup]:
     """The embedding tables input ``probe`` was looked up in as it is, each with the columns of its last axis the
     lookup took (:func:`_columns`: ``()`` for the whole input, ``(0,)`` for LayoutLM's ``bbox[:, :, 0]``), unedited
     since the forward began at version ``before``: only then are the data's values (of those columns) that input's
     ids. An input the model maps first (``ids % vocab``, ``bbox[..., 2] - bbox[..., 0]``, or
     ``ids.masked_fill_(ids >= vocab, 0)`` in place) is looked up in none."""
     found = [(table, _columns(ids, probe)) for ids, version, table in lookups.calls if version == before]
-    return [(table, columns) for table, columns in found if columns is not None]
+    return [(table, columns, None) for table, columns in found if columns is not None]
 
 
 def _columns(ids: torch.Tensor, probe: torch.Tensor) -> tuple[int, ...] | None:
@@ -842,41 +845,55 @@ def check_token_ids(model: nn.Module, data: DatasetSplits, probe: Any, lookups: 
     axis (:func:`_tables`: LayoutLM's ``bbox[:, :, 0]``), holds ids within the table's rows (in those columns), in
     both splits: an id past them fails only when its batch comes, as a raw ``index out of range in self`` (after a
     whole epoch where it is a held-out row's). A float input of whole numbers that the model casts to ids
-    (:func:`_cast_tables`: ``self.table(t.long())``) is checked as that cast truncates it. Inputs the model
-    transforms otherwise first are not checked."""
+    (:func:`_cast_tables`: ``self.table(t.long())``) is checked as that cast truncates it, and ids the model shifts
+    by a constant first (:func:`_shifted_tables`) as shifted. Inputs the model transforms otherwise first are not
+    checked."""
     keys = list(probe) if isinstance(probe, dict) else range(len(tensors(probe)))
     names = {id(p): n.removesuffix(".weight") for n, p in model.named_parameters()}
     for key, t, before in zip(keys, tensors(probe), lookups.before):
         if not t.numel() or t.is_complex() or t.dtype == torch.bool:
             continue
         cast = t.is_floating_point()
-        for table, columns in _cast_tables(t, lookups) if cast else _tables(t, before, lookups):
+        direct = _cast_tables(t, lookups) if cast else _tables(t, before, lookups)
+        for table, columns, offset in direct + ([] if cast else _shifted_tables(model, t, before, lookups)):
             for split in ("train", "val"):
                 split_x = getattr(data, f"{split}_x")
                 ids = split_x[key] if isinstance(split_x, dict) else tensors(split_x)[key]
                 ids = ids.long() if cast else ids
                 where = f"{split}_x{_input_label(split_x, key)}"
-                for column in columns or (None,):
+                for k, column in enumerate(columns or (None,)):
+                    if column is not None and (ids.ndim == 0 or column >= ids.shape[-1]):
+                        continue  # a split of fewer columns than the probe: the model's own check says so
                     part, at = (ids, where) if column is None else (ids[..., column], f"{where}[..., {column}]")
-                    _check_ids(part, at, names.get(id(table), "?"), tuple(table.shape), data.name, column is None)
-        if not cast:
-            for shifted in _shifted_tables(model, t, before, lookups):
-                _check_shifted_input(data, key, shifted, names)
+                    shift = offset if column is None else _column_offset(offset, k)
+                    name, shape = names.get(id(table), "?"), tuple(table.shape)
+                    _check_ids(part, at, name, shape, data.name, column is None, shift)
 
 
-def _shifted_tables(model: nn.Module, probe: torch.Tensor, before: int | None, lookups: EmbeddingLookups) -> list[Any]:
+def _shifted_tables(
+    model: nn.Module, probe: torch.Tensor, before: int | None, lookups: EmbeddingLookups
+) -> list[Lookup]:
     """The lookups of input ``probe`` (whole or its columns, as :func:`_columns` finds them) shifted by a constant
-    first (``emb(x_cat + self.offsets)``: one table, an offset per column), each as ``(table, columns, view's ndim,
-    offset)``. A constant is a number or a model buffer that does not vary over the rows; an offset computed from
-    the data, or ids edited in place between, make no such lookup."""
+    first (``emb(x_cat + self.offsets)``: one table, an offset per column), each as ``(table, columns, offset)``;
+    where the lookup took one column and dropped its axis (``x[:, 0] - 1``), the offset gets a last axis of one, so
+    that the offset of each column taken runs along the last axis (:func:`_column_offset`). A constant is a number
+    or a model buffer that does not vary over the rows; an offset computed from the data, or ids edited in place
+    between, make no such lookup."""
     buffers = {b.untyped_storage().data_ptr() for b in model.buffers()}
     found = []
     for ids, version, table in lookups.calls:
         for shift in (s for s in lookups.shifts if s.out is ids and s.versions == (version, before)):
             columns, offset = _columns(shift.ids, probe), _constant(shift.offset, shift.ids, buffers)
             if columns is not None and offset is not None:
-                found.append((table, columns, shift.ids.ndim, offset * shift.sign))
+                offset = offset * shift.sign
+                found.append((table, columns, offset if shift.ids.ndim == probe.ndim else offset.unsqueeze(-1)))
     return found
+
+
+def _column_offset(offset: torch.Tensor | None, k: int) -> torch.Tensor | None:
+    """The offset of the ``k``-th column a shifted lookup took (:func:`_shifted_tables`): its last axis runs along
+    the columns, or is one offset for all of them."""
+    return offset if offset is None or offset.ndim == 0 else offset[..., k if offset.shape[-1] > 1 else 0]
 
 
 def _constant(offset: torch.Tensor | int, ids: torch.Tensor, buffers: set[int]) -> torch.Tensor | None:
@@ -890,57 +907,7 @@ def _constant(offset: torch.Tensor | int, ids: torch.Tensor, buffers: set[int]) 
     return offset.detach().long().cpu()
 
 
-def _check_shifted_input(data: DatasetSplits, key: Any, shifted: tuple[Any, ...], names: dict[int, str]) -> None:
-    """Input ``key`` of both splits, taken as the shifted lookup found (:func:`_shifted_tables`) takes it, plus its
-    offset indexes the table's rows, or the error naming the input, column, row and value."""
-    table, columns, ndim, offset = shifted
-    for split in ("train", "val"):
-        split_x = getattr(data, f"{split}_x")
-        ids = split_x[key] if isinstance(split_x, dict) else tensors(split_x)[key]
-        single = bool(columns) and ndim < ids.ndim  # one column, its axis dropped (``x[:, 0]``)
-        part = ids if not columns else ids[..., columns[0]] if single else ids[..., columns[0] : columns[-1] + 1]
-        try:
-            moved = part.long() + offset
-        except RuntimeError:  # another length on an axis the offset runs along: not the probe's layout
-            continue
-        if moved.shape == part.shape:
-            where = f"{split}_x{_input_label(split_x, key)}"
-            at = columns[0] if single else None
-            _check_moved(part, moved, where, (columns, at), names.get(id(table), "?"), tuple(table.shape), data.name)
-
-
-def _check_moved(
-    part: torch.Tensor,
-    moved: torch.Tensor,
-    where: str,
-    columns: tuple[tuple[int, ...], int | None],
-    name: str,
-    shape: tuple[int, ...],
-    ref: str,
-) -> None:
-    """``moved`` (the data's ``part`` plus the model's offset) within the ``shape[0]`` rows of the table, or the
-    error naming the column, row and value of the first outside; ``columns``: the input's columns ``part`` holds
-    and the one column it is, if it is one."""
-    size = shape[0]
-    bad = (moved < 0) | (moved >= size)
-    if not bool(bad.any()):
-        return
-    at = tuple(bad.nonzero()[0])
-    value, index, off = int(part[at]), int(moved[at]), int(moved[at] - part[at])
-    taken, column = columns
-    if column is None and part.ndim > 1:
-        column = (taken[0] if taken else 0) + int(at[-1])
-    label = where if column is None else f"{where}[..., {column}]"
-    side = f"past the {size} rows" if index >= size else f"below the first of the {size} rows"
-    bigger = f", or build the model with a table of at least {index + 1} rows" if index >= size else ""
-    raise DataContractError(
-        f"dataset '{ref}': {label} holds value {value} at row {int(at[0])}, which the model shifts by {off} to id "
-        f"{index}, {side} of its embedding '{name}' (a table of {' x '.join(map(str, shape))}: ids 0..{size - 1})",
-        hint=f"keep {label} within {max(0, -off)}..{size - 1 - off} (the table's ids after the offset {off}){bigger}",
-    )
-
-
-def _cast_tables(probe: torch.Tensor, lookups: EmbeddingLookups) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+def _cast_tables(probe: torch.Tensor, lookups: EmbeddingLookups) -> list[Lookup]:
     """The embedding tables that float input ``probe`` was looked up in through a cast to integers (a timestep
     ``self.table(t.long())``): lookups whose ids have ``probe``'s shape and equal ``probe.long()``, where ``probe``
     holds whole numbers only (a float that is not an id, a noise level in 0..1, is no such lookup's); ``()``: the
@@ -952,27 +919,52 @@ def _cast_tables(probe: torch.Tensor, lookups: EmbeddingLookups) -> list[tuple[t
     def cast_from_probe(used: torch.Tensor) -> bool:
         return used.shape == ids.shape and not used.is_floating_point() and torch.equal(used.long(), ids)
 
-    return [(table, ()) for used, _, table in lookups.calls if cast_from_probe(used)]
+    return [(table, (), None) for used, _, table in lookups.calls if cast_from_probe(used)]
 
 
-def _check_ids(ids: torch.Tensor, where: str, name: str, shape: tuple[int, ...], ref: str, whole: bool = True) -> None:
-    """``ids`` index the rows of an embedding table of ``shape``, or the error naming the first id outside and its
-    row; ``whole``: ``ids`` is a whole input (token ids), not a column of one (a box's x0)."""
+def _check_ids(
+    ids: torch.Tensor,
+    where: str,
+    name: str,
+    shape: tuple[int, ...],
+    ref: str,
+    whole: bool = True,
+    offset: torch.Tensor | None = None,
+) -> None:
+    """``ids`` (plus the ``offset`` the model shifts them by, if any) index the rows of an embedding table of
+    ``shape``, or the error naming the first id outside and its row; ``whole``: ``ids`` is a whole input (token ids,
+    or a shifted input whose column the error names), not a column of one (a box's x0)."""
     size = shape[0]
-    if not ids.numel() or (int(ids.min()) >= 0 and int(ids.max()) < size):
+    moved = ids if offset is None else _shifted(ids, offset)
+    if moved is None or not moved.numel() or (int(moved.min()) >= 0 and int(moved.max()) < size):
         return
-    at = ((ids < 0) | (ids >= size)).nonzero()[0]
-    value = int(ids[tuple(at)])
-    side = f"past the {size} rows" if value >= size else f"below the first of the {size} rows"
-    larger = f"a vocabulary of at least {int(ids.max()) + 1}" if whole else f"a table of {int(ids.max()) + 1} rows"
-    bigger = f", or build the model with {larger}" if value >= size else ""
-    keep = "keep the ids" if whole else f"keep {where}"
-    unknown = " (map ids the vocabulary lacks to its unknown-token id)" if whole else ""
+    at = tuple(((moved < 0) | (moved >= size)).nonzero()[0])
+    value, index = int(ids[at]), int(moved[at])
+    off, shifted, token = index - value, offset is not None, whole and offset is None
+    label = f"{where}[..., {int(at[-1])}]" if whole and shifted and ids.ndim > 1 else where
+    side = f"past the {size} rows" if index >= size else f"below the first of the {size} rows"
+    via = f"which the model shifts by {off} to id {index}, {side} of its" if shifted else f"{side} of the model's"
+    larger = f"a table of at least {index + 1} rows" if shifted else f"a table of {int(ids.max()) + 1} rows"
+    larger = f"a vocabulary of at least {int(ids.max()) + 1}" if token else larger
+    bigger = f", or build the model with {larger}" if index >= size else ""
+    keep = "keep the ids" if token else f"keep {label}"
+    after = f" (the table's ids after the offset {off})" if shifted else ""
+    unknown = " (map ids the vocabulary lacks to its unknown-token id)" if token else ""
     raise DataContractError(
-        f"dataset '{ref}': {where} holds {'token id' if whole else 'value'} {value} at row {int(at[0])}, {side} of "
-        f"the model's embedding '{name}' (a table of {' x '.join(map(str, shape))}: ids 0..{size - 1})",
-        hint=f"{keep} within 0..{size - 1}{unknown}{bigger}",
+        f"dataset '{ref}': {label} holds {'token id' if token else 'value'} {value} at row {int(at[0])}, {via} "
+        f"embedding '{name}' (a table of {' x '.join(map(str, shape))}: ids 0..{size - 1})",
+        hint=f"{keep} within {max(0, -off)}..{size - 1 - off}{after}{unknown}{bigger}",
     )
+
+
+def _shifted(ids: torch.Tensor, offset: torch.Tensor) -> torch.Tensor | None:
+    """``ids`` plus ``offset``, or None where the offset does not fit them (another length on an axis it runs
+    along: a split not in the probe's layout)."""
+    try:
+        moved = ids.long() + offset
+    except RuntimeError:
+        return None
+    return moved if moved.shape == ids.shape else None
 
 
 def _lacks_decoder_inputs(model: nn.Module, x: Any) -> bool:

@@ -159,9 +159,6 @@ class Task:
         return float(labels.hits(logits, y).item()), float(labels.labelled(y).item())
 
 
-CLASSIFY = Task("classification")
-
-
 # How a model that takes one sample a call is configured (docs/byom.md): the fix where its outputs lack rows
 def one_a_call_fix(trains: bool = True) -> str:
     """The fix for a model that takes one sample a call given several: it runs at batch 1, in training too where it
@@ -1095,7 +1092,7 @@ def _check_class_count(task: Task, target: torch.Tensor, batch: int, num_classes
     ``batch``, the task records it: the first training batch of another size tells whether they follow the batch
     (:meth:`Task._refuse_batch_classes`), which this probe alone cannot tell from as many classes."""
     wide = target.ndim == 2 and target.shape[1] == batch
-    if wide and batch not in task.batch_wide_at and task is not CLASSIFY:  # the shared default records nothing
+    if wide and batch not in task.batch_wide_at:
         task.batch_wide_at.append(batch)
     if target.ndim == 2 and target.shape[1] >= max(num_classes, 2):
         return

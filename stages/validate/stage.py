@@ -11,8 +11,7 @@ import ast
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ from kiln.core.records import (
 from kiln.core.shapes import Axes, graph_axes_with
 from kiln.core.stage import StageContext
 from kiln.core.text import FEATURE_NAMES
-from kiln.core.threads import own_threads
+from kiln.core.threads import lowered_from
 from kiln.core.timing import BUSY_SPREAD, Timer, interleave, ratio_interval, time_calls, warm_up
 from kiln.models.model_io import load_trained, on_random_inputs, torch_model_named
 from kiln.stages.accuracy.check import (
@@ -267,7 +266,8 @@ def time_interleaved(
     the timing went (rounds, the load around it, whether the machine was too busy to time)."""
     out: dict[str, dict[str, Percentiles]] = {name: {} for name in contenders}
     load_before = os.getloadavg()[0]
-    with ctx.progress.task("timing (interleaved rounds)", total=len(sizes)) as bar, timing_threads() as (threads, why):
+    threads, why = timing_threads()
+    with ctx.progress.task("timing (interleaved rounds)", total=len(sizes)) as bar:
         for bs in sizes:
             timers = {name: t[bs] for name, t in contenders.items() if bs in t}
             if timers:
@@ -307,23 +307,19 @@ ORT_THREADS = (
 )
 
 
-@contextmanager
-def timing_threads() -> Iterator[tuple[int, str | None]]:
-    """PyTorch's threads for the interleaved timing, and why where they are not its own. On a machine with idle
-    cores, its own count (:func:`own_threads`): a baseline on fewer threads than an ONNX Runtime engine's session
-    would credit the engine with the difference. Where the run lowered the count for the load
+def timing_threads() -> tuple[int, str | None]:
+    """PyTorch's threads for the interleaved timing (those it runs on now), and why where they are fewer than its
+    own. On a machine with idle cores, its own count: a baseline on fewer threads than an ONNX Runtime engine's
+    session would credit the engine with the difference. Where the run lowered the count for the load
     (:func:`~kiln.core.threads.cpu_threads_for_load`), the lowered count: each thread beyond the cores the load
     leaves waits for a time slice at every operator, so a baseline timed on them measures the load, not PyTorch,
     and every speedup over it is that wait."""
-    lowered = torch.get_num_threads()
-    with own_threads() as full:
-        if full <= lowered:
-            yield full, None
-            return
-        torch.set_num_threads(lowered)  # own_threads puts the lowered count back after the block, as it found it
-        load = f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
-        why = f"the load ({load}) left PyTorch {lowered} of its {full} threads, and its baselines were timed on those"
-        yield lowered, f"{why}; {ORT_THREADS}"
+    threads, own = torch.get_num_threads(), lowered_from()
+    if own is None or own <= threads:
+        return threads, None
+    load = f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    why = f"the load ({load}) left PyTorch {threads} of its {own} threads, and its baselines were timed on those"
+    return threads, f"{why}; {ORT_THREADS}"
 
 
 def takes_shape(meta: EngineMetadata, feed: dict[str, np.ndarray]) -> bool:

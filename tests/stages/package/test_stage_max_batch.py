@@ -64,3 +64,13 @@ def test_a_max_batch_set_below_the_validated_batches_is_kept_and_said(
     assert "max_batch_size: 32\n" in text
     said = [r.getMessage() for r in caplog.records if "below the largest validated batch 64" in r.getMessage()]
     assert len(said) == 1 and "package.max_batch_size 32" in said[0], said
+
+
+def test_the_ray_app_takes_the_largest_validated_batch_too(tmp_path: Path) -> None:
+    """Ray's own max_batch_size follows the same rule as the Triton repositories: at its default, the largest batch
+    validated; set, kept."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    _package(tmp_path / "a", **{"package.ray.enabled": True})
+    assert "max_batch_size: 64\n" in (tmp_path / "a" / "package" / "ray" / "serve.yaml").read_text()
+    _package(tmp_path / "b", **{"package.ray.enabled": True, "package.ray.max_batch_size": 8})
+    assert "max_batch_size: 8\n" in (tmp_path / "b" / "package" / "ray" / "serve.yaml").read_text()

@@ -77,3 +77,42 @@ def test_shifted_ids_within_the_table_pass() -> None:
 def test_ids_not_shifted_by_a_constant_are_not_checked(model: type[nn.Module]) -> None:
     val = torch.tensor([[0, 1, 2], [1, 1, 1], [2, 0, 4]])
     check_model_fits_data(model(), _data(val), "t:build")
+
+
+class Sliced(Offsets):
+    """A run of columns sliced from the input, each shifted by its own offset."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x[:, 1:3] + self.offsets[1:]).mean(1))
+
+
+class Tokens(nn.Module):
+    """Token ids counted from 1, shifted back by a number before the lookup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(5, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x - 1).mean(1))
+
+
+def test_each_column_of_a_shifted_slice_is_named_with_its_own_offset() -> None:
+    val = torch.tensor([[0, 0, 0], [0, 5, 6]])  # row 1, column 2: 6 + 10 = 16, past the 13 rows
+    with pytest.raises(DataContractError) as e:
+        check_model_fits_data(Sliced(), _data(val), "t:build")
+    assert "val_x[..., 2] holds value 6 at row 1, which the model shifts by 10 to id 16, past the 13 rows" in str(
+        e.value
+    )
+    assert "keep val_x[..., 2] within 0..2 (the table's ids after the offset 10)" in (e.value.hint or "")
+
+
+def test_shifted_token_ids_of_another_length_are_checked_whole() -> None:
+    """A split whose rows are longer than the probe's is checked over every position, the column named."""
+    train = torch.tensor([[1, 2, 3], [4, 5, 1]])
+    val = torch.tensor([[1, 2, 3, 4, 5], [1, 1, 1, 1, 6]])  # row 1, position 4: 6 - 1 = 5, past the 5 rows
+    data = DatasetSplits(train, torch.tensor([0, 1]), val, torch.tensor([0, 1]), name="t:load")
+    with pytest.raises(DataContractError) as e:
+        check_model_fits_data(Tokens(), data, "t:build")
+    assert "val_x[..., 4] holds value 6 at row 1, which the model shifts by -1 to id 5, past the 5 rows" in str(e.value)
+    assert "keep val_x[..., 4] within 1..5 (the table's ids after the offset -1)" in (e.value.hint or "")

@@ -98,9 +98,9 @@ def test_a_batch_size_the_model_cannot_take_is_refused_before_training(tmp_path:
 def test_more_rows_than_given_are_not_said_to_be_a_batch_of_one() -> None:
     """A token classifier that flattens its logits to [N * seq, C]: the per-position check's fix, not batch-of-one's
     (such a model can only return fewer rows than it was given)."""
-    from kiln.stages.train.task import CLASSIFY, check_task
+    from kiln.stages.train.task import Task, check_task
 
     with pytest.raises(ModelError) as caught:
-        check_task(CLASSIFY, torch.randn(14, 5), torch.randint(0, 5, (2, 7)), 5, "m:flat")
+        check_task(Task("classification"), torch.randn(14, 5), torch.randint(0, 5, (2, 7)), 5, "m:flat")
     assert "one row of class logits per labelled position" in (caught.value.hint or "")
     assert "batch_sizes: [1]" not in (caught.value.hint or "")
