@@ -168,7 +168,13 @@ def scaled_by(metric: Metric | None, targets: np.ndarray | None) -> Metric | Non
 
 
 def _as_float(returned: object, name: str) -> float:
-    """A metric's value as a float: a number, or an array or tensor of one element."""
+    """A metric's value as a float: a number, or an array or tensor of one element. None is said as such (NumPy
+    would read it as NaN): a function without a return statement returns it."""
+    if returned is None:
+        raise ModelError(
+            f"validate.metric '{name}' returned None (a function without a return statement?), not a float",
+            hint="return the score as one float (e.g. return float(scores.mean()))",
+        )
     try:  # a str of a number converts, yet is no score: refused with the rest
         value = None if _is_text(returned) else np.asarray(returned, dtype=np.float64)
     except (TypeError, ValueError, RuntimeError):  # a dict, a tensor that needs grad

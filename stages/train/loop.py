@@ -164,6 +164,11 @@ FORWARD_NAN_FIX = (
 )
 
 
+def user_loss_nan(loss: str) -> str:
+    """Why a loss is not finite where the model's outputs are: train.loss (named ``loss``) makes the NaN."""
+    return f"the model's outputs are finite: train.loss {loss} returns NaN or infinity for them"
+
+
 def first_batch_nonfinite(
     model: nn.Module, x: Inputs, device: torch.device, batch: int, forward: Callable[..., Any] | None = None
 ) -> bool:
@@ -718,6 +723,13 @@ class _Trainer:
                         f"{FORWARD_NAN}",
                         hint=FORWARD_NAN_FIX,
                     )
+                if self._user_loss_makes_nan(loss_v):
+                    raise TrainingError(
+                        f"loss non-finite for {self.bad_streak} consecutive steps since training started: "
+                        f"{user_loss_nan(self.cfg.loss)}",
+                        hint=f"make train.loss {self.cfg.loss} return a finite loss for finite outputs (guard "
+                        f"divisions by zero, log(0), a mean over no entries){self._loss_precision_hint()}",
+                    )
                 if self._never_updated(loss_v):
                     raise TrainingError(
                         f"gradients non-finite on a finite loss at every step since training started ({s.step} "
@@ -739,6 +751,25 @@ class _Trainer:
         checkpoint holds the initial weights."""
         return (
             not self.updates and self.result.resumed_from is None and math.isfinite(loss) and self.precision != "fp32"
+        )
+
+    def _user_loss_makes_nan(self, loss: float) -> bool:
+        """Whether a loss of the user's was not finite at every step since training started (not resumed), on the
+        model's outputs, which :meth:`_forward_makes_nan` found finite: the loss makes the NaN, not a learning rate,
+        since no step has updated the weights."""
+        return (
+            self.cfg.loss is not None
+            and not math.isfinite(loss)
+            and not self.updates
+            and self.result.resumed_from is None
+        )
+
+    def _loss_precision_hint(self) -> str:
+        """Under reduced precision, the loss's own ops may overflow in it: fp32 is worth a try before its code."""
+        return (
+            "; or try train.precision: fp32 (its ops may overflow in reduced precision)"
+            if self.precision != "fp32"
+            else ""
         )
 
     def _forward_makes_nan(self) -> bool:
@@ -833,7 +864,7 @@ class _Trainer:
                 "torch's)"
             )
         if self.cfg.loss is not None:
-            return f"the model's outputs are finite: train.loss {self.cfg.loss} returns NaN or infinity for them"
+            return user_loss_nan(self.cfg.loss)
         return "the model's outputs are finite: the loss of them is not (check the held-out labels)"
 
     def _improves(self, m: EpochMetrics) -> bool:

@@ -680,7 +680,9 @@ def _loss_fix(task: Task, out: Any, y: torch.Tensor, exc: BaseException) -> str:
     loss reads (``outputs['logits']``), where that is another call than the one that failed."""
     assert task.user_loss is not None
     read, pred = _read_output(task, out)
-    fixed = _index_column_fix(task.user_loss, read, y, exc) or _targets_fix(task.user_loss, read, pred, y, exc)
+    fn = task.user_loss
+    fixed = _index_column_fix(fn, read, y, exc) or _packed_targets_fix(fn, read, pred, y, exc)
+    fixed = fixed or _targets_fix(fn, read, pred, y, exc)
     if fixed is not None:
         return fixed
     said = (
@@ -733,6 +735,26 @@ def _index_column_fix(fn: LossFn, read: str, y: torch.Tensor, exc: BaseException
     return (
         "the labels are class indices of shape [N, 1], but torch's classification losses take "
         f"one index a row, [N]: return labels y[:, 0] from the data function, or {call}"
+    )
+
+
+def _packed_targets_fix(fn: LossFn, read: str, pred: Any, y: torch.Tensor, exc: BaseException) -> str | None:
+    """The fix for a classification loss that failed on float targets ``[N, K]`` packing several targets a row (a
+    multi-task model's class, age and attributes) beside class logits ``[N, C]`` (``pred``, read as ``read``): take
+    the class column as indices, in a function of the user's. None where that is not what failed."""
+    if not y.is_floating_point() or y.ndim != 2 or y.shape[1] < 2 or not INDEX_COLUMN.search(str(exc)):
+        return None
+    if not isinstance(pred, torch.Tensor) or pred.ndim != 2 or len(pred) != len(y):
+        return None
+    column = "targets[:, 0].long()"
+    call = (
+        f"name a function of your own in train.loss: {_wrapper(fn, read, column)}"
+        if from_torch(fn)
+        else f"pass {column} to the loss in {getattr(fn, '__name__', 'fn')}()"
+    )
+    return (
+        f"the targets are floats of shape [N, {y.shape[1]}], several a row, but torch's classification losses take "
+        f"one class index a row, [N]: take the column that holds the class (column 0 here, if it is that one): {call}"
     )
 
 
@@ -1045,7 +1067,8 @@ def check_task(
     if task.user_loss is not None:
         doing = "trying train.loss on the model's outputs for two samples"
         with loss_errors(task, doing, lambda exc: _loss_fix(task, out, y, exc)):
-            task.loss(out, y)  # refuses a result that is not one scalar tensor (scalar_loss)
+            value = task.loss(out, y)  # refuses a result that is not one scalar tensor (scalar_loss)
+        _refuse_nonfinite_loss(task, value, out, y)
         if not (task.kind == "classification" and labels.per_position(y)):
             return
         try:  # labels per position: accuracy and top-1 read them off the class-logit output, whatever the loss
@@ -1085,6 +1108,31 @@ def check_task(
             if classes
             else "make the targets match the output, name the output in signature.logits_output, or set train.loss",
         )
+
+
+def _refuse_nonfinite_loss(task: Task, value: torch.Tensor, out: Any, y: torch.Tensor) -> None:
+    """train.loss returning NaN or infinity for finite outputs of the model on two samples is the loss's doing: every
+    training step would be skipped as non-finite, and the run would end blaming the learning rate. Not refused where
+    the targets are not finite themselves or mark ignored entries (a mean over no labelled entry is NaN), as those
+    two samples alone may be."""
+    assert task.user_loss is not None
+    if bool(torch.isfinite(value).all()) or not _all_finite(flatten_outputs(out).values()):
+        return
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        return
+    if not y.is_floating_point() and bool((y == labels.IGNORE_LABEL).any()):
+        return
+    raise ConfigError(
+        f"train.loss {loss_name(task.user_loss)} returns {value.item()} for the model's outputs on two samples, "
+        "which are finite: every training step would be skipped as non-finite",
+        hint=f"make {loss_name(task.user_loss)} return a finite loss for finite outputs (guard divisions by zero, "
+        "log(0), a mean over no entries)",
+    )
+
+
+def _all_finite(tensors: Any) -> bool:
+    """Whether every floating-point tensor of ``tensors`` holds finite values only (integer ones always do)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
 def _check_class_count(task: Task, target: torch.Tensor, batch: int, num_classes: int, model_ref: str) -> None:

@@ -284,3 +284,16 @@ def test_a_metric_whose_decorator_fills_in_a_parameter_is_taken(
     assert resolve_metric("wrapped_metrics:met", None)({"y": np.zeros(2)}, np.zeros(2)) == 1.0
     with pytest.raises(ConfigError, match=r"cannot be called as fn\(outputs, labels\)"):
         resolve_metric("wrapped_metrics:three", None)
+
+
+def test_a_metric_returning_none_is_said_as_such_not_as_nan() -> None:
+    """A metric without a return statement was reported as returning nan, with a fix to guard divisions by zero."""
+    from kiln.stages.accuracy.metrics import Metric
+
+    def no_return(outputs: dict[str, np.ndarray], labels: np.ndarray) -> None:
+        (outputs["logits"].argmax(1) == labels).mean()
+
+    outputs, labels = {"logits": np.zeros((4, 3), np.float32)}, np.zeros(4, np.int64)
+    with pytest.raises(ModelError, match=r"'mine:no_return' returned None \(a function without a return") as err:
+        Metric("mine:no_return", no_return)(outputs, labels)
+    assert "return the score" in (err.value.hint or "") and "divisions" not in (err.value.hint or "")

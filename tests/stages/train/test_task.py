@@ -203,3 +203,32 @@ def test_a_sigmoid_output_is_refused_after_a_step_without_a_graph() -> None:
         task.loss(torch.sigmoid(torch.zeros(2, 1)), y)
     with pytest.raises(ConfigError, match="sigmoid's output"):
         task.loss(torch.sigmoid(torch.zeros(2, 1, requires_grad=True)), y)
+
+
+def _nan_loss(outputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(outputs["cls"], targets[:, 0].long()) * float("nan")
+
+
+def test_a_user_loss_nan_for_finite_outputs_is_refused_before_training() -> None:
+    """It trained every step as non-finite and ended blaming the learning rate."""
+    out = {"cls": torch.randn(2, 5), "age": torch.randn(2, 1)}
+    y = torch.tensor([[1.0, 30.0, 0, 1, 0, 1], [3.0, 60.0, 1, 0, 0, 1]])
+    with pytest.raises(ConfigError, match="train.loss .*_nan_loss' returns nan .* which are finite") as err:
+        check_task(Task("regression", None, _nan_loss), out, y, 5, "m")
+    assert "return a finite loss" in (err.value.hint or "")
+
+
+def test_a_nan_loss_of_finite_outputs_over_ignored_labels_is_not_refused() -> None:
+    """Two samples whose labels are all ignored give a mean over nothing (NaN): other batches have labels."""
+    y = torch.full((2, 4), -100)
+    check_task(Task("classification", None, nn.functional.cross_entropy), torch.randn(2, 3, 4), y, 3, "m")
+
+
+def test_packed_float_targets_beside_class_logits_get_the_class_column_wrapper() -> None:
+    """cross_entropy on float targets [N, 6] (class, age, attributes a row) got only 'name a function that does'."""
+    out = {"cls": torch.randn(2, 5), "age": torch.randn(2, 1)}
+    y = torch.tensor([[1.0, 30.0, 0, 1, 0, 1], [3.0, 60.0, 1, 0, 0, 1]])
+    with pytest.raises(UserCodeError, match="multi-target not supported") as err:
+        check_task(Task("regression", "cls", nn.functional.cross_entropy), out, y, 5, "m")
+    want = "def wrapped_cross_entropy(outputs, targets): return cross_entropy(outputs['cls'], targets[:, 0].long())"
+    assert want in (err.value.hint or ""), err.value.hint
