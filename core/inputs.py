@@ -240,8 +240,10 @@ def booleans(rng: np.random.Generator, shape: list[int]) -> np.ndarray:
     """Random booleans of ``shape`` where each row of the last axis (at least two wide, beside a batch axis) holds
     both values, and so does each cut of it to its first or last positions (two or more): a boolean input is mostly
     a mask over positions, and a row of one value masks all of them under either convention (True = padding as
-    ``key_padding_mask``, True = attend), so attention over it is NaN and every check of the model's outputs fails
-    on inputs no real sample has. The cuts are those the checks make of inputs drawn at the largest size of an
+    ``key_padding_mask``, True = attend), so attention over it has no key: PyTorch answers such a row with finite
+    values where the exported Softmax gives NaN, and the checks comparing them would fail on inputs no real sample
+    has (the export probes that case once on its own, :func:`kiln.stages.export.parity.warn_empty_masks`). The
+    cuts are those the checks make of inputs drawn at the largest size of an
     axis (:func:`kiln.core.shapes.resize`). So the second position is the first's opposite and the last the
     second-to-last's; the draw stays fixed by the generator's seed."""
     mask = np.asarray(rng.random(shape) < 0.5)  # an array at shape [] too, not a numpy scalar

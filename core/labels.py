@@ -100,8 +100,23 @@ def copied_input(inputs: Mapping[str, Any], y: Any) -> str | None:
 
 
 def is_mask_name(name: str) -> bool:
-    """Named like a Hugging Face attention mask (``attention_mask``, ``decoder_attention_mask``): 0 marks padding."""
-    return name.lower().endswith("attention_mask")
+    """Named like a mask over positions: a Hugging Face attention mask (``attention_mask``,
+    ``decoder_attention_mask``), where 0 marks padding, or a padding mask (:func:`is_padding_mask_name`), where
+    True or 1 does. :func:`pad_positions` reads either."""
+    return name.lower().endswith("attention_mask") or is_padding_mask_name(name)
+
+
+def is_padding_mask_name(name: str) -> bool:
+    """Named like PyTorch's padding mask (``padding_mask``, ``key_padding_mask``, ``src_key_padding_mask``): True or
+    1 marks padding, the inverse of an attention mask."""
+    return name.lower().endswith("padding_mask")
+
+
+def pad_positions(name: str, mask: Any) -> np.ndarray:
+    """Where mask input ``name`` (:func:`is_mask_name`) marks padding: its True or non-zero positions for a padding
+    mask (:func:`is_padding_mask_name`), its 0 positions for an attention mask."""
+    mask = np.asarray(mask)
+    return mask != 0 if is_padding_mask_name(name) else mask == 0
 
 
 def is_decoder_name(name: str) -> bool:
@@ -123,7 +138,8 @@ def labelled_padding(inputs: Mapping[str, Any], y: Any) -> tuple[str, int]:
     for name in shaped:
         if is_mask_name(name) and (is_decoder_name(name) or not decoder):
             t = inputs[name]
-            return name, int(((t == 0) & (y != IGNORE_LABEL)).sum())
+            pad = (t != 0) if is_padding_mask_name(name) else (t == 0)
+            return name, int((pad & (y != IGNORE_LABEL)).sum())
     return "", 0
 
 
@@ -177,7 +193,11 @@ def _rivals(mask: str, shape: tuple[int, ...], feed: Mapping[str, Any], axes: Ax
         if name == mask or value.ndim < 2 or tuple(value.shape[:2]) != shape:
             continue
         other = given_axis_name(axes, name, 1)
-        if is_mask_name(name) and value.shape == ref.shape and not np.array_equal(value, ref):
+        if (
+            is_mask_name(name)
+            and value.shape == ref.shape
+            and (pad_positions(name, value) != pad_positions(mask, ref)).any()
+        ):
             rivals.append(name)
         elif own is not None and other is not None:
             if other != own:
@@ -231,19 +251,18 @@ def without_padding(
     axes: Axes | None = None,
     out_axes: Axes | None = None,
 ) -> dict[str, np.ndarray]:
-    """``outputs`` with the positions an attention mask of ``feed`` marks as padding set to 0, in each output laid
-    out ``[batch, seq, ...]`` on that mask's axis (:func:`mask_of`: by the axis names ``axes`` of the inputs and
-    ``out_axes`` of the outputs where known): no one reads an answer there, and runtimes differ there (a causal LM
-    padded on the left has positions that attend to nothing, whose values PyTorch and ONNX Runtime compute
-    differently). Comparisons of an engine with the model read the positions the mask keeps. A float output whose
-    last axis is the mask's (a question-answering head's span logits ``[batch, seq]``) gets -inf there instead:
-    its argmax is over the positions, and a 0 at padding would win wherever every real logit is below 0, as one
-    in both the reference and a wrong engine (a -inf in both is set aside by every comparison:
-    :func:`kiln.core.compare.set_aside`)."""
+    """``outputs`` with the positions a mask of ``feed`` marks as padding (:func:`pad_positions`) set to 0, in each
+    output laid out ``[batch, seq, ...]`` on that mask's axis (:func:`mask_of`: by the axis names ``axes`` of the inputs
+    and ``out_axes`` of the outputs where known): no one reads an answer there, and runtimes differ there (a causal LM
+    padded on the left has positions that attend to nothing, whose values PyTorch and ONNX Runtime compute differently).
+    Comparisons of an engine with the model read the positions the mask keeps. A float output whose last axis is the
+    mask's (a question-answering head's span logits ``[batch, seq]``) gets -inf there instead: its argmax is over the
+    positions, and a 0 at padding would win wherever every real logit is below 0, as one in both the reference and a
+    wrong engine (a -inf in both is set aside by every comparison: :func:`kiln.core.compare.set_aside`)."""
     out, changed = {}, False
     for name, value in outputs.items():
         mask, _ = mask_of(name, np.shape(value), feed, axes, out_axes)
-        pad = None if mask is None else np.asarray(feed[mask]) == 0
+        pad = None if mask is None else pad_positions(mask, feed[mask])
         if pad is not None and pad.any():
             over_positions = value.ndim == pad.ndim and value.dtype.kind == "f"
             fill = np.array(-np.inf if over_positions else 0, value.dtype)
@@ -254,17 +273,18 @@ def without_padding(
 
 
 def left_padded(feed: Mapping[str, Any], axes: Axes) -> set[str]:
-    """The dynamic axes (by name) on which an attention mask of ``feed`` (:func:`is_mask_name`, integers) shows
-    left padding: every row's last position is a real token and some row's first is padding, as batches padded
-    for generation are. Such rows hold their real tokens at the end of the axis."""
+    """The dynamic axes (by name) on which a mask of ``feed`` (an attention or padding mask, :func:`is_mask_name`,
+    integers or booleans) shows left padding: every row's last position is a real token and some row's first is padding,
+    as batches padded for generation are. Such rows hold their real tokens at the end of the axis."""
     found = set()
     for name, dims in axes.items():
         mask = np.asarray(feed[name]) if name in feed and is_mask_name(name) else None
         if mask is None or mask.dtype.kind not in "iub" or not mask.size:
             continue
+        pad = pad_positions(name, mask)
         for axis, label in dims.items():
-            first, last = np.take(mask, 0, axis=int(axis)), np.take(mask, -1, axis=int(axis))
-            if (last != 0).all() and (first == 0).any():
+            first, last = np.take(pad, 0, axis=int(axis)), np.take(pad, -1, axis=int(axis))
+            if not last.any() and first.any():
                 found.add(label)
     return found
 
@@ -279,8 +299,9 @@ def padding_value(feed: Mapping[str, Any], name: str) -> int | None:
     for other, mask in feed.items():
         mask = np.asarray(mask)
         if is_mask_name(other) and is_decoder_name(other) == is_decoder_name(name) and mask.shape == value.shape:
-            if mask.dtype.kind in "iub" and not mask.all():
-                found, counts = np.unique(value[mask == 0], return_counts=True)
+            pad = pad_positions(other, mask)
+            if mask.dtype.kind in "iub" and pad.any():
+                found, counts = np.unique(value[pad], return_counts=True)
                 return found[counts.argmax()].item()
     return None
 

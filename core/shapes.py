@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kiln.core.errors import ConfigError
-from kiln.core.labels import is_mask_name, left_padded, padding_value
+from kiln.core.labels import is_mask_name, is_padding_mask_name, left_padded, pad_positions, padding_value
 from kiln.core.records import TensorSpec
 
 if TYPE_CHECKING:  # kiln.core.data imports torch; the graph stages need none of it
@@ -154,14 +154,17 @@ def resize(
     (top-k, argmax), which would fail a right graph; integers, and floats that are flags (one named like a mask, or
     of two values at most: a 0/1 or 0/-inf mask, one-hot rows), repeat exactly. Without it, an
     axis that holds one is padded, every input on it: an integer one with the value its data holds where its
-    attention mask marks padding (:func:`kiln.core.labels.padding_value`: the pad token, a mask's 0), else ``fill``.
-    Cut by keeping the first positions, or the last on the axes ``left`` names (None: those whose attention mask
-    shows left padding, :func:`kiln.core.labels.left_padded`), where left-padded rows hold their real tokens.
+    attention mask marks padding (:func:`kiln.core.labels.padding_value`: the pad token, a mask's 0, a padding
+    mask's True), else ``fill``. Cut by keeping the first positions, or the last on the axes ``left`` names (None:
+    those whose attention or padding mask shows left padding, :func:`kiln.core.labels.left_padded`), where
+    left-padded rows hold their real tokens.
     An input that holds each row's length along an axis (:func:`length_inputs`) says where the row's padding
     starts where no mask does, and is resized with the axis so the two agree (:func:`_resized_lengths`)."""
     left = left_padded(feed, axes) if left is None else left
     out = {name: np.asarray(array) for name, array in feed.items()}
+    # a padding mask (True marks padding) with no padding in the data pads with True, as an attention mask with 0
     fills = {name: padding_value(feed, name) for name in feed}
+    fills |= {name: 1 for name, value in fills.items() if value is None and is_padding_mask_name(name)}
     measures = length_inputs(out, axes, point)
     for label, size in point.items():
         on = [(n, int(i)) for n, dims in axes.items() if n in out for i, d in dims.items() if d == label]
@@ -275,15 +278,15 @@ def _resized_lengths(lengths: np.ndarray, have: int, size: int, tile: bool, rows
 
 
 def _real_lengths(out: Feed, on: list[tuple[str, int]], lengths: list[np.ndarray]) -> np.ndarray | None:
-    """Each row's count of real positions on an axis whose attention mask (axis 1 of an integer ``[N, seq]`` input
-    named like one, :func:`kiln.core.labels.is_mask_name`) shows right padding: every row starts real, some end in
-    padding; else the first of ``lengths`` (inputs that hold each row's length along it, :func:`length_inputs`).
+    """Each row's count of real positions on an axis whose mask (axis 1 of an integer ``[N, seq]`` input named like an
+    attention or padding mask, :func:`kiln.core.labels.pad_positions`) shows right padding: every row starts real, some
+    end in padding; else the first of ``lengths`` (inputs that hold each row's length along it, :func:`length_inputs`).
     None where neither lies on it."""
     for name, axis in on:
         mask = out[name]
         if axis != 1 or not is_mask_name(name) or mask.ndim != 2 or mask.dtype.kind not in "iub" or not mask.size:
             continue
-        real = mask != 0
+        real = ~pad_positions(name, mask)
         if real[:, 0].all() and not real[:, -1].all():
             return real.sum(1)
     return lengths[0].reshape(-1) if lengths else None

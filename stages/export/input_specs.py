@@ -14,7 +14,7 @@ from torch import nn
 from kiln.core.data import SINGLE_INPUT, Inputs, call, input_names, take
 from kiln.core.errors import ConfigError
 from kiln.core.inputs import random_inputs
-from kiln.core.labels import is_label_name, is_mask_name
+from kiln.core.labels import is_label_name, is_mask_name, is_padding_mask_name
 from kiln.core.records import TensorSpec
 from kiln.core.shapes import is_length_name
 from kiln.core.text import first_line
@@ -312,7 +312,7 @@ def example_inputs(specs: list[TensorSpec], batch: int = 2) -> Inputs:
     :func:`full_lengths`): one tensor for an unnamed shape, else a dict by name (the model is called with
     keywords)."""
     arrays = random_inputs(specs, batch, hint="give every axis a size in --input-shape")
-    arrays = {k: valid_mask(v) if is_mask_name(k) else v for k, v in arrays.items()}
+    arrays = {k: valid_mask(v, padding=is_padding_mask_name(k)) if is_mask_name(k) else v for k, v in arrays.items()}
     arrays |= full_lengths(arrays)
     x = {k: torch.from_numpy(v) for k, v in arrays.items()}
     return x[SINGLE_INPUT] if [s.name for s in specs] == [SINGLE_INPUT] else x
@@ -335,17 +335,19 @@ def full_lengths(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def valid_mask(like: np.ndarray) -> np.ndarray:
+def valid_mask(like: np.ndarray, padding: bool = False) -> np.ndarray:
     """An attention mask of ``like``'s shape and dtype as tokenizers pad: each row ones then zeros along its last
-    axis, the first row whole and each next one a token shorter, never below one token. Random 0/1 would mask a
-    row's first token, whose query under a causal mask then attends to no key: PyTorch and ONNX Runtime answer
-    such a row differently, and the parity check would fail a good graph."""
+    axis, the first row whole and each next one a token shorter, never below one token; with ``padding``, a padding
+    mask of the same rows (True or 1 marks padding: its inverse). Random 0/1 would mask a row's first token, whose
+    query under a causal mask then attends to no key: PyTorch and ONNX Runtime answer such a row differently, and
+    the parity check would fail a good graph."""
     if like.ndim < 2:
-        return np.ones_like(like)
+        return (np.zeros_like if padding else np.ones_like)(like)
     length = like.shape[-1]
     kept = np.maximum(1, length - np.arange(like.shape[0]) % length)
     shape = (like.shape[0],) + (1,) * (like.ndim - 1)
-    return np.broadcast_to(np.arange(length) < kept.reshape(shape), like.shape).astype(like.dtype)
+    real = np.arange(length) < kept.reshape(shape)
+    return np.broadcast_to(~real if padding else real, like.shape).astype(like.dtype)
 
 
 def _describe(specs: list[TensorSpec]) -> str:

@@ -8,6 +8,7 @@ quantizes (QuantizeLinear) is allowed one quantization step more at each output 
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -19,15 +20,17 @@ import torch
 from torch import nn
 
 from kiln.core.compare import masks_of, max_abs_err, value_ordered
-from kiln.core.data import Feed, Inputs, as_feed, from_feed, rows
+from kiln.core.data import Feed, Inputs, as_feed, from_feed, rows, take
 from kiln.core.errors import KilnError, ModelError
-from kiln.core.labels import without_padding
+from kiln.core.labels import is_mask_name, is_padding_mask_name, without_padding
 from kiln.core.onnx_io import load_onnx, ort_run, ort_session
 from kiln.core.outputs import named_outputs
 from kiln.core.shapes import Axes, resize
 from kiln.core.text import short_reason
 from kiln.stages.export.pinned_sizes import BATCH_FIXED_HINT, FIXED_SIZE_HINT, batch_pinned_at
 from kiln.stages.export.torch_export import error_reason, fallback_failed
+
+log = logging.getLogger("kiln.export")
 
 # Rows the export's parity check runs: it compares the same arithmetic in two runtimes, which a few rows show as
 # well as many; accuracy over the data is validation's job.
@@ -373,6 +376,7 @@ def batch_parity(
         ) from None
     check, why = _parity_or_why(model, path, x, session, ref, refused)
     if check is not None and (parity_passes(check, atol, rtol) or rows(x) == rows(example)):
+        warn_empty_masks(model, session if session is not None else ort_session(path), x)
         return check
     traced, traced_why = (
         _parity_or_why(model, path, example, session, refused=refused) if rows(x) != rows(example) else (None, why)
@@ -402,7 +406,59 @@ def batch_parity(
         raise ModelError(
             failure, hint="the model may use an op ONNX Runtime runs differently from PyTorch; see the message above"
         )
+    warn_empty_masks(model, session if session is not None else ort_session(path), x)
     return check
+
+
+def empty_mask_row(feed: Feed) -> tuple[Feed, list[str]]:
+    """The first row of ``feed`` with every mask over positions all padding (an empty sequence), and the masks'
+    names: a ``[batch, seq]`` input named like an attention mask (all 0) or a padding mask (all True or 1,
+    :func:`kiln.core.labels.is_padding_mask_name`), or any other boolean one, taken as PyTorch's
+    ``key_padding_mask`` (True marks padding). The held-out rows and Kiln's random masks rarely hold such a row,
+    yet a client may send one."""
+    row = {name: value[:1] for name, value in feed.items()}
+    masks = [n for n, v in row.items() if v.ndim == 2 and v.size and (is_mask_name(n) or v.dtype == np.bool_)]
+    for name in masks:
+        padding = is_padding_mask_name(name) or not is_mask_name(name)
+        row[name] = (np.ones_like if padding else np.zeros_like)(row[name])
+    return row, masks
+
+
+def warn_empty_masks(model: nn.Module, session: Any, x: Inputs) -> None:
+    """Warn where a row whose masks are all padding (:func:`empty_mask_row`) gets NaN or infinity from the exported
+    graph and finite outputs from PyTorch: attention over no key is finite in PyTorch's kernels and NaN in the
+    exported Softmax, so an engine answers an empty sequence with NaN, which no parity check on real rows shows. A
+    warning, not an error: such a request may never come. One forward of one row in each runtime; a model or graph
+    that refuses the row says nothing here."""
+    names = [i.name for i in session.get_inputs()]
+    row, masks = empty_mask_row(as_feed(take(x, slice(0, 1)), names))
+    if not masks:
+        return
+    try:
+        ref = torch_outputs(model, from_feed(row, x))
+        got = dict(zip(ref, ort_run(session, row)))
+    except Exception:  # noqa: BLE001 - a probe only: a model that rejects an empty row is not this warning's matter
+        return
+    axes = lambda values: {v.name: {i: d for i, d in enumerate(v.shape) if isinstance(d, str)} for v in values}  # noqa: E731
+    ins, outs = axes(session.get_inputs()), axes(session.get_outputs())
+    ref, got = without_padding(row, ref, ins, outs), without_padding(row, got, ins, outs)  # per position: unread
+    bad = [n for n, r in ref.items() if _non_finite_where_torch_finite(r, got[n])]
+    if bad:
+        log.warning(
+            "input %s: a row that is all padding (an empty sequence) gets NaN or infinity from the exported graph in "
+            "output %s where PyTorch's is finite, so the engines answer such a request with NaN; fix: guard the "
+            "all-padding case in forward, e.g. unmask one position of an empty row or zero the pooled output of "
+            "empty rows",
+            ", ".join(f"'{m}'" for m in masks),
+            ", ".join(f"'{n}'" for n in bad),
+        )
+
+
+def _non_finite_where_torch_finite(ref: np.ndarray, got: np.ndarray) -> bool:
+    """Whether a float output of the graph (``got``) holds NaN or infinity where PyTorch's (``ref``) is finite."""
+    if got.dtype.kind != "f" or got.shape != ref.shape:
+        return False
+    return bool((~np.isfinite(got) & np.isfinite(ref)).any())
 
 
 def exported_session(path: Path, refused: str = "") -> Any:

@@ -335,3 +335,23 @@ def test_labels_whose_axis_1_follows_no_position_axis_are_targets_per_sample() -
     pixels = torch.zeros(3, 8, 8, dtype=torch.long)
     assert follows_positions(pixels, torch.zeros(3, 5, 8, 8)) and follows_positions(pixels)  # a class per pixel
     assert not follows_positions(torch.zeros(3, 2), out["pooled"], outputs, [2])  # float targets: never
+
+
+def test_a_padding_mask_is_a_mask_whose_true_marks_padding() -> None:
+    """PyTorch's ``src_key_padding_mask`` convention (True marks padding), by name: left padding is read off it as
+    off an attention mask of the inverse values, and its True positions are the padding comparisons leave out."""
+    from kiln.core.labels import is_mask_name, is_padding_mask_name, left_padded, pad_positions, without_padding
+
+    for name in ("padding_mask", "key_padding_mask", "src_key_padding_mask", "attention_mask"):
+        assert is_mask_name(name)
+    assert is_padding_mask_name("src_key_padding_mask") and not is_padding_mask_name("attention_mask")
+    assert not is_mask_name("mask") and not is_mask_name("flags")
+    pad = np.array([[True, True, False, False], [False, False, False, False]])
+    axes = {"tokens": {1: "seq"}, "padding_mask": {1: "seq"}}
+    assert left_padded({"tokens": pad.astype(np.int64), "padding_mask": pad}, axes) == {"seq"}
+    assert left_padded({"padding_mask": pad[:, ::-1]}, axes) == set()  # right padding
+    assert left_padded({"key_padding_mask": pad.astype(np.uint8)}, {"key_padding_mask": {1: "seq"}}) == {"seq"}
+    assert (pad_positions("padding_mask", pad) == pad).all()
+    assert (pad_positions("attention_mask", ~pad) == pad).all()
+    out = without_padding({"padding_mask": pad}, {"h": np.ones((2, 4, 3), np.float32)})["h"]
+    assert (out[:, :, 0] == ~pad).all()

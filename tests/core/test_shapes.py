@@ -210,3 +210,16 @@ def test_axes_named_in_the_signature_lie_over_the_graphs_own() -> None:
     assert graph_axes_with({"z": {1: "zlen"}}, specs) == {"x": {1: "seq"}, "z": {1: "zlen"}}
     assert graph_axes_with({"x": {1: "tokens"}}, specs) == {"x": {1: "tokens"}}
     assert graph_axes_with(None, specs) == {"x": {1: "seq"}}
+
+
+def test_cutting_rows_left_padded_by_a_padding_mask_keeps_their_real_tokens() -> None:
+    """A boolean padding mask (True marks padding, PyTorch's ``src_key_padding_mask``) padded on the left: the cut
+    keeps the last positions, the real tokens, as for an attention mask; a cut to the first kept padding only, and
+    the exported graph's NaN on such rows failed a good export."""
+    pad = np.arange(6)[None, :] < np.array([[4], [2]])  # two rows, 4 and 2 pads first
+    data = {"tokens": np.where(pad, 0, np.arange(12).reshape(2, 6) + 1), "padding_mask": pad}
+    axes = {"tokens": {1: "seq"}, "padding_mask": {1: "seq"}}
+    cut = resize(data, axes, {"seq": 2})
+    assert not cut["padding_mask"].any() and (cut["tokens"] == data["tokens"][:, 4:]).all()
+    grown = resize({**data, "frames": np.ones((2, 6), np.float32)}, {**axes, "frames": {1: "seq"}}, {"seq": 8})
+    assert grown["padding_mask"][:, 6:].all()  # padded where it cannot tile: marked padding, True

@@ -117,3 +117,18 @@ def test_float_ids_given_to_an_embedding_are_told_to_be_int64(tmp_path: Path) ->
     result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "m.onnx")])
     one_error(result, "rejects the inputs --input-shape gives", "site is ids the model looks up", "site=():int64")
     assert "num=6:int64" not in result.output
+
+
+def test_a_random_padding_mask_marks_padding_with_true() -> None:
+    """``--input-shape padding_mask=6:bool``: PyTorch's padding mask (True marks padding) gets the inverse of a valid
+    attention mask, each row's first token real; the attention mask's ones would make row 0 all padding."""
+    from kiln.core.records import TensorSpec
+    from kiln.stages.export.input_specs import example_inputs
+
+    specs = [
+        TensorSpec(name=n, shape=["batch", 6], dtype=d)
+        for n, d in [("padding_mask", "bool"), ("attention_mask", "int64")]
+    ]
+    x = example_inputs(specs, 4)
+    assert not x["padding_mask"][:, 0].any() and x["padding_mask"][1:, -1].all()
+    assert torch.equal(x["padding_mask"], x["attention_mask"] == 0)
