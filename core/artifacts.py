@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pydantic_core import to_jsonable_python
+
 from kiln.core.errors import storage_error
 from kiln.core.ownership import claim_folder, clean_leftovers, record_owned, remove_path, temp_name
 
@@ -78,8 +80,16 @@ def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode())
 
 
+def json_text(obj: Any, sort_keys: bool = True) -> str:
+    """``obj`` as strict JSON, indented: each NaN or infinity as null, as pydantic writes the records
+    (``validation.json``), since the bare ``NaN``/``Infinity`` tokens Python writes are no JSON other readers
+    parse; what JSON has no type for (a path, a numpy scalar) as its text."""
+    plain = to_jsonable_python(obj, inf_nan_mode="null", fallback=str)
+    return json.dumps(plain, indent=2, sort_keys=sort_keys, allow_nan=False)
+
+
 def write_json_atomic(path: Path, obj: Any, sort_keys: bool = True) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n")
+    write_text_atomic(path, json_text(obj, sort_keys) + "\n")
 
 
 def keep_json(path: Path, obj: Any) -> bool:

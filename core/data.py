@@ -639,12 +639,25 @@ def _check_finite(t: torch.Tensor, where: str, ref: str) -> None:
     if not t.dtype.is_floating_point:
         return
     nan, inf = int(t.isnan().sum()), int(t.isinf().sum())
+    if inf and not nan and _additive_mask(t):
+        raise DataContractError(
+            f"dataset '{ref}': {where} holds only 0 and -inf ({inf} values -inf): an additive attention mask, whose "
+            "-inf Kiln refuses as any infinite input (calibration ranges and the gates' errors need finite values)",
+            hint=f"give {where} as a bool mask (True where masked, as nn.MultiheadAttention reads one), or fill it "
+            "with a large finite negative number in place of -inf: -1e9, or torch.finfo(dtype).min "
+            "(mask.masked_fill(mask.isinf(), -1e9))",
+        )
     if nan or inf:
         counts = " and ".join(s for s in (f"{nan} NaN" if nan else "", f"{inf} infinite" if inf else "") if s)
         raise DataContractError(
             f"dataset '{ref}': {where} holds {counts} values",
             hint="clean or drop those samples in the dataset function (e.g. torch.nan_to_num, or a mask)",
         )
+
+
+def _additive_mask(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds nothing but 0 and -inf: an additive attention mask (scores plus the mask)."""
+    return bool(((t == 0) | (t == float("-inf"))).all())
 
 
 def _check_dynamic_axes(x: Inputs, dynamic: Mapping[str, Mapping[int, str]], ref: str) -> None:

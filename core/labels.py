@@ -333,8 +333,11 @@ def are_indices(logits: Any, y: Any) -> bool:
 
 
 def hits(logits: Any, y: Any) -> Any:
-    """Labelled rows or positions whose argmax over the class axis is their label (a tensor, like ``labelled``)."""
-    return ((logits.argmax(class_axis(logits.ndim)) == y) & (y != IGNORE_LABEL)).sum()
+    """Labelled rows or positions whose argmax over the class axis is their label (a tensor, like ``labelled``); one
+    whose logits hold a NaN is no hit, whatever the argmax makes of it (class 0)."""
+    axis = class_axis(logits.ndim)
+    decided = (logits == logits).all(axis)  # NaN is not equal to itself
+    return ((logits.argmax(axis) == y) & (y != IGNORE_LABEL) & decided).sum()
 
 
 def accuracy(logits: np.ndarray, labels: np.ndarray) -> float | None:

@@ -1157,8 +1157,7 @@ def _validate_direct(
 ) -> None:
     if reference is None:
         raise click.UsageError("direct mode needs --reference MODEL.onnx")
-    import json
-
+    from kiln.core.artifacts import json_text
     from kiln.pipeline.runner import settings_for
     from kiln.stages.validate.direct import validate_direct
     from kiln.stages.validate.report import RANDOM_INPUTS, direct_report, gate_failure_hint
@@ -1169,7 +1168,7 @@ def _validate_direct(
     if fed is None:
         _console().print(f"[yellow]inputs[/]: no --inputs, so {RANDOM_INPUTS}", highlight=False, soft_wrap=True)
     result = validate_direct(Path(file), Path(reference), fed, settings)
-    _answer(json.dumps(direct_report(result, fed), indent=2))  # plain JSON on stdout: `> v.json` keeps it
+    _answer(json_text(direct_report(result, fed), sort_keys=False))  # strict JSON on stdout: `> v.json` keeps it
     if not result.passed:
         raise GateFailure(
             f"engine {result.name} failed its gates: {'; '.join(result.failures)}",

@@ -321,10 +321,17 @@ class KeptStats(OutputStats):
     the engine's error is larger than anything the output tells apart between samples, however small beside its
     level, and no message may call it a small error to accept (:func:`_over_spread`). ``decision_at``: the class
     logits are a binary classifier's one logit, deciding above this value (:func:`compare_all`); its value is the
-    probability the model answers, which :func:`rel_err_limits` holds as any other value."""
+    probability the model answers, which :func:`rel_err_limits` holds as any other value. ``engine_nonfinite_rows``
+    and ``engine_nonfinite_first``: how many held-out rows the engine answers NaN/inf at where the reference is
+    finite, and the first of them; ``reference_nonfinite_*`` the reverse (:func:`with_nonfinite`): a cosine of NaN
+    then says which side holds no number, and where."""
 
     over_variation: float | None = None
     decision_at: float | None = None
+    engine_nonfinite_rows: int | None = None
+    engine_nonfinite_first: int | None = None
+    reference_nonfinite_rows: int | None = None
+    reference_nonfinite_first: int | None = None
 
     def as_dict(self) -> dict[str, float | None]:
         """The statistics by name, each note only where set (records of other outputs keep theirs)."""
@@ -335,7 +342,58 @@ class KeptStats(OutputStats):
         return stats
 
 
-NOTES = ("over_variation", "decision_at")  # the fields KeptStats adds to OutputStats
+NONFINITE = ("engine_nonfinite_rows", "engine_nonfinite_first", "reference_nonfinite_rows", "reference_nonfinite_first")
+NOTES = ("over_variation", "decision_at", *NONFINITE)  # the fields KeptStats adds to OutputStats
+LOWEST = ("decision_at", "engine_nonfinite_first", "reference_nonfinite_first")  # merged as their lower value
+
+
+def with_nonfinite(
+    stats: dict[str, OutputStats], ref: dict[str, np.ndarray], got: dict[str, np.ndarray]
+) -> dict[str, OutputStats]:
+    """``stats`` with, per float output, the held-out rows one side answers NaN/inf at where the other is finite
+    (:data:`NONFINITE`): its cosine is then undefined, and the failure must say which side to look at."""
+    out = dict(stats)
+    for name, s in stats.items():
+        sides = one_sided_nonfinite(np.asarray(ref.get(name, ())), np.asarray(got.get(name, ())))
+        if sides:
+            out[name] = KeptStats(**{**vars(s), **sides})
+    return out
+
+
+def one_sided_nonfinite(ref: np.ndarray, got: np.ndarray) -> dict[str, int]:
+    """The rows (of the batch axis) ``got`` holds NaN/inf in where ``ref`` is finite, and the reverse, each as a count
+    and its first row (:data:`NONFINITE`); empty where neither side has such a row or the arrays are no float rows."""
+    if ref.dtype.kind != "f" or got.dtype.kind != "f" or ref.shape != got.shape or ref.ndim < 1 or not ref.size:
+        return {}
+    finite_ref, finite_got = ~nonfinite_rows(ref), ~nonfinite_rows(got)
+    notes = {}
+    for side, at in (
+        ("engine", np.flatnonzero(finite_ref & ~finite_got)),
+        ("reference", np.flatnonzero(finite_got & ~finite_ref)),
+    ):
+        if at.size:
+            notes[f"{side}_nonfinite_rows"], notes[f"{side}_nonfinite_first"] = int(at.size), int(at[0])
+    return notes
+
+
+def nonfinite_rows(a: np.ndarray) -> np.ndarray:
+    """Per row of ``a``'s first axis, whether it holds a NaN or an infinity."""
+    return ~np.isfinite(a).reshape(len(a), -1).all(axis=1)
+
+
+def nonfinite_said(stats: dict[str, Any]) -> str:
+    """Which side of a comparison answers NaN/inf where the other is finite, at how many rows and first where
+    (:func:`with_nonfinite`); empty where neither is noted."""
+    said = []
+    for side, other in (("engine", "reference"), ("reference", "engine")):
+        rows = stats.get(f"{side}_nonfinite_rows")
+        if rows:
+            first = stats.get(f"{side}_nonfinite_first")
+            said.append(
+                f"the {side} answers NaN/inf at {rows} row{'' if rows == 1 else 's'} (first: {first}) where the "
+                f"{other} is finite"
+            )
+    return "; ".join(said)
 
 
 def with_variation(
@@ -386,7 +444,7 @@ def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[st
                 *_worse_class(t, s),
                 "decision" if "decision" in (t.agreement, s.agreement) else "top1",
             )
-            notes = {k: pick(getattr(t, k, None), getattr(b[name], k, None), k == "decision_at") for k in NOTES}
+            notes = {k: pick(getattr(t, k, None), getattr(b[name], k, None), k in LOWEST) for k in NOTES}
             if any(v is not None for v in notes.values()):
                 s = KeptStats(**vars(s), **notes)
         out[name] = s
@@ -1850,7 +1908,8 @@ def compare_on(
             levels=ref.levels,
             whole=ref.scalars,
         )
-        out.stats = merge_worst(out.stats, with_variation(kept, whole, spread))
+        kept = with_nonfinite(with_variation(kept, whole, spread), whole, answered)
+        out.stats = merge_worst(out.stats, kept)
         for bs in batch_sizes:
             feed_bs = sample_batch(feed, bs)
             got_bs = infer(feed_bs)
@@ -1997,9 +2056,15 @@ def gated_outputs(names: list[str] | None, outputs: list[str]) -> set[str]:
     return set(names)
 
 
-def _cosine_said(cosine: float) -> str:
-    """A cosine as a failure says it: NaN is no angle, but an output with no direction (all zeros) or no number."""
-    return f"{cosine:.6f}" if np.isfinite(cosine) else "undefined (one side all zeros, or NaN/inf in it)"
+def _cosine_said(stats: dict[str, Any]) -> str:
+    """An output's cosine as a failure says it: NaN is no angle, but an output with no direction (all zeros) or no
+    number; where one side answers NaN/inf and the other does not, which side and at which rows
+    (:func:`nonfinite_said`), so that the user looks at the right graph."""
+    cosine = stats["cosine"]
+    if np.isfinite(cosine):
+        return f"{cosine:.6f}"
+    side = nonfinite_said(stats)
+    return f"undefined ({side})" if side else "undefined (one side all zeros, or NaN/inf in it)"
 
 
 def _accepting(name: str, precision: str, others: list[str]) -> str:
@@ -2034,7 +2099,7 @@ def _output_failures(
                 f"{gates['min_top1_agreement']}"
             )
     elif s["cosine"] is not None and not s["cosine"] >= gates["min_cosine"]:  # None: no batch axis (a 0-D loss)
-        fails.append(f"{where}cosine {_cosine_said(s['cosine'])} < min_cosine {gates['min_cosine']}")
+        fails.append(f"{where}cosine {_cosine_said(s)} < min_cosine {gates['min_cosine']}")
     elif s.get("sample_cosine") is not None and not s["sample_cosine"] >= gates["min_cosine"]:
         fails.append(_sample_failure(where, s, gates["min_cosine"]))
     if gates["max_abs_err"] is not None and not s["max_abs_err"] <= gates["max_abs_err"]:
@@ -2139,3 +2204,34 @@ def _sample_failure(where: str, stats: dict[str, Any], limit: float) -> str:
         f"{where}worst sample's cosine {stats['sample_cosine']:.6f}{which} < min_cosine {limit} "
         f"(whole output: {stats['cosine']:.6f})"
     )
+
+
+REFERENCE_NAN_FIX = (
+    "make forward answer a number there: a softmax over a row whose scores are all -inf (a padded position whose "
+    "keys are all masked) is NaN; keep one key unmasked per row, fill masked scores with a large negative number "
+    "instead of -inf, or zero them with torch.nan_to_num"
+)
+
+
+def reference_nan(outputs: list[dict[str, np.ndarray]]) -> list[str]:
+    """A warning per float output the reference itself answers NaN in, on the held-out ``outputs`` (one dict per
+    validated shape): how many values, in how many rows. The comparison sets a NaN aside where the engine answers
+    NaN too (:func:`~kiln.core.compare.set_aside`), so such an output passes every gate while clients receive NaN;
+    the user should hear of it once, not find it in production."""
+    said = []
+    for name in dict.fromkeys(n for out in outputs for n in out):
+        arrays = [np.asarray(out[name]) for out in outputs if name in out]
+        arrays = [a for a in arrays if a.dtype.kind == "f" and a.size]
+        nan = [np.isnan(a).reshape(len(a), -1) if a.ndim else np.isnan(a).reshape(1, 1) for a in arrays]
+        values = sum(int(m.sum()) for m in nan)
+        if not values:
+            continue
+        rows = sum(int(m.any(axis=1).sum()) for m in nan)
+        where = f" over {len(arrays)} validated shapes" if len(arrays) > 1 else ""
+        said.append(
+            f"reference output '{name}' is NaN at {values} of {sum(a.size for a in arrays)} values, in {rows} of "
+            f"{sum(len(m) for m in nan)} rows{where}: the model itself answers NaN there; an engine that answers NaN "
+            f"at the same values passes, those values set aside and not compared, and served clients receive NaN; "
+            f"{REFERENCE_NAN_FIX}"
+        )
+    return said

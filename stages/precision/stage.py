@@ -36,7 +36,7 @@ from kiln.core.sample_counts import FEW_ROWS
 from kiln.core.shapes import Axes, axis_sizes, graph_axes_with, resize, shape_points
 from kiln.core.stage import StageContext
 from kiln.models.model_io import on_random_inputs, torch_model_named
-from kiln.stages.accuracy.check import held_out, held_out_reference, own_point
+from kiln.stages.accuracy.check import REFERENCE_NAN_FIX, held_out, held_out_reference, nonfinite_rows, own_point
 from kiln.stages.accuracy.refusal import refusing
 from kiln.stages.precision.audit import FLOAT_ONLY, MIN_SHARE, RECURRENT, Audit, audit_graph
 from kiln.stages.precision.compare import Samples
@@ -119,6 +119,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
         )
         cache_dir = src.cache_dir if ccfg.cache else None
         check = held_out_check(ctx, data, src, inputs) if set(made) - {"fp32"} else None
+        cfg = without_futile_fallback(cfg, check, ctx.log)
         off = f"give data.name, a data function of real inputs: {RANDOM_OFF}; or drop it from precision.variants"
         variants, errors = build_variants(
             src,
@@ -643,6 +644,39 @@ def held_out_check(
     run = refusing(session_runner(src.model), _reference_named(ctx), axes, feeds[-1][1])
     ref = held_out_reference(run, feeds, data, logits, vcfg, sig.batch_sizes, axes, named)
     return GateCheck(src.model, ref, vcfg.gates, sig.batch_sizes)
+
+
+def without_futile_fallback(cfg: PrecisionConfig, check: GateCheck | None, log: logging.Logger) -> PrecisionConfig:
+    """``cfg`` with the accuracy fallback off where the FP32 graph itself answers NaN/inf on held-out rows
+    (:func:`fp32_nonfinite`), which is said once: every candidate graph is measured against the FP32 graph's
+    outputs, and no node kept in float changes those, so each round would fail as the first did."""
+    said = fp32_nonfinite(check) if check is not None and cfg.fallback.enabled else None
+    if said is None:
+        return cfg
+    log.warning("precision: %s", said)
+    return cfg.model_copy(update={"fallback": cfg.fallback.model_copy(update={"enabled": False})})
+
+
+def fp32_nonfinite(check: GateCheck) -> str | None:
+    """Where a gated float output of the FP32 graph holds NaN/inf on the held-out rows (padding left out, as the
+    gates compare them): which output, at how many rows, the first of them and why the fallback does not search
+    then; None where every such output is finite."""
+    ref, gated = check.ref, check.gates.gated_outputs
+    for point, feed, out in ((p, f, o) for (p, f), o in zip(ref.feeds, ref.outputs)):
+        for name, a in ref.unpadded(feed, out).items():
+            a = np.asarray(a)
+            if (gated is not None and name not in gated) or a.dtype.kind != "f" or a.ndim < 1 or not a.size:
+                continue
+            bad = np.flatnonzero(nonfinite_rows(a))
+            if bad.size:
+                at = f" at {', '.join(f'{k}={v}' for k, v in point.items())}" if point else ""
+                return (
+                    f"the FP32 graph answers NaN/inf in output '{name}' at {bad.size} of {len(a)} held-out rows "
+                    f"(first: {bad[0]}){at}; every lower-precision graph is measured against it, and no node kept "
+                    f"in float changes the FP32 graph's own answer, so the accuracy fallback is not run; "
+                    f"{REFERENCE_NAN_FIX}"
+                )
+    return None
 
 
 def _reference_named(ctx: StageContext[PrecisionSettings]) -> str:

@@ -33,7 +33,9 @@ from kiln.stages.accuracy.check import (
     gates_for,
     merge_worst,
     placed_failure,
+    reference_nan,
     summarize,
+    with_nonfinite,
 )
 from kiln.stages.engines.backend import check_feed as check_engine_feed
 from kiln.stages.engines.backend import read_metadata
@@ -121,6 +123,8 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
         _say_new_sizes(meta, feed_parts[0])
     loaded: dict[str, Any] = {}  # the reference, loaded once for every check
     refs = [reference_outputs(reference, feed, cfg, b, loaded, random=inputs is None) for feed, b in checks]
+    for said in reference_nan(refs):  # as the pipeline's validation warns of its reference's NaN
+        log.warning("%s", said)
     gots, times = _run(engine_dir, meta, checks, parts, cfg)
     setting = _logits_setting(cfg, meta, list(refs[0]))
     logits = direct_top1(list(refs[0]), setting, refs[0])
@@ -274,6 +278,7 @@ def _compared(
         stats = compare_all(
             unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL, decisions=decisions, whole=whole
         )
+        stats = with_nonfinite(stats, unpadded_ref, unpadded_got)  # a cosine of NaN names the side without a number
         stats = _samples_along_batch(meta, feed_rows(feed), unpadded_ref, unpadded_got, stats)
         each.append(stats)
         kept = merge_worst(kept, stats) if kept else stats

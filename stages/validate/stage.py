@@ -62,6 +62,7 @@ from kiln.stages.accuracy.check import (
     gates_for,
     held_out,
     held_out_reference,
+    reference_nan,
     regression,
     sample_batch,
     summarize,
@@ -997,37 +998,6 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     for e in engines:
         ctx.log.info("%s: %s", e.name, e.status)
     return result
-
-
-REFERENCE_NAN_FIX = (
-    "make forward answer a number there: a softmax over a row whose scores are all -inf (a padded position whose "
-    "keys are all masked) is NaN; keep one key unmasked per row, fill masked scores with a large negative number "
-    "instead of -inf, or zero them with torch.nan_to_num"
-)
-
-
-def reference_nan(outputs: list[dict[str, np.ndarray]]) -> list[str]:
-    """A warning per float output the reference itself answers NaN in, on the held-out ``outputs`` (one dict per
-    validated shape): how many values, in how many rows. The comparison sets a NaN aside where the engine answers
-    NaN too (:func:`~kiln.core.compare.set_aside`), so such an output passes every gate while clients receive NaN;
-    the user should hear of it once, not find it in production."""
-    said = []
-    for name in dict.fromkeys(n for out in outputs for n in out):
-        arrays = [np.asarray(out[name]) for out in outputs if name in out]
-        arrays = [a for a in arrays if a.dtype.kind == "f" and a.size]
-        nan = [np.isnan(a).reshape(len(a), -1) if a.ndim else np.isnan(a).reshape(1, 1) for a in arrays]
-        values = sum(int(m.sum()) for m in nan)
-        if not values:
-            continue
-        rows = sum(int(m.any(axis=1).sum()) for m in nan)
-        where = f" over {len(arrays)} validated shapes" if len(arrays) > 1 else ""
-        said.append(
-            f"reference output '{name}' is NaN at {values} of {sum(a.size for a in arrays)} values, in {rows} of "
-            f"{sum(len(m) for m in nan)} rows{where}: the model itself answers NaN there; an engine that answers NaN "
-            f"at the same values passes, those values set aside and not compared, and served clients receive NaN; "
-            f"{REFERENCE_NAN_FIX}"
-        )
-    return said
 
 
 def timed_at(ref: Reference) -> dict[str, dict[str, int]]:

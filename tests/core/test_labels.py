@@ -355,3 +355,11 @@ def test_a_padding_mask_is_a_mask_whose_true_marks_padding() -> None:
     assert (pad_positions("attention_mask", ~pad) == pad).all()
     out = without_padding({"padding_mask": pad}, {"h": np.ones((2, 4, 3), np.float32)})["h"]
     assert (out[:, :, 0] == ~pad).all()
+
+
+def test_a_row_of_nan_logits_is_no_hit_whatever_its_argmax() -> None:
+    """NaN logits' argmax is class 0: a row of them counts wrong, for numpy and torch alike."""
+    logits = np.array([[np.nan, 0.0], [0.0, 1.0], [1.0, 0.0]], np.float32)
+    labels = np.array([0, 1, 0])
+    assert accuracy(logits, labels) == 2 / 3
+    assert int(hits(torch.from_numpy(logits), torch.from_numpy(labels))) == 2
