@@ -284,7 +284,8 @@ def torch_at(
     """PyTorch's outputs at ``point`` (``feeds``: the data's, first the rows resized; ``listed``: the sizes
     ``signature.shapes`` gives; ``direct``: ``kiln export -o``'s example, not data); an error naming the size and
     what to change where the model itself fails there (:func:`_fails_at`), or where an output of it holds no finite
-    value there (:func:`_nothing_finite_error`; :func:`_padded_to_nothing` where Kiln's zero padding gives that)."""
+    value there (:func:`_nothing_finite_error`; :func:`_padded_to_nothing` where Kiln's zero padding gives that), or
+    where it folds the axis into the batch (:func:`_folded_rows`)."""
     own = own_sizes(feeds[0], axes)
     try:
         ref = torch_outputs(model, inputs)
@@ -295,7 +296,60 @@ def torch_at(
         raise _padded_to_nothing(empty[0], point, own, direct)
     if empty:
         raise _nothing_finite_error(empty[0], point, own, listed, direct)
+    folded = _folded_rows(model, inputs, ref, point, feeds[0], axes)
+    if folded is not None:
+        raise folded
     return ref
+
+
+def _rows_of_one(model: nn.Module, like: Inputs, row: Feed, axes: Axes, point: Mapping[str, int]) -> dict[str, int]:
+    """The rows of each output of PyTorch's ``model`` on one sample, ``row`` resized to ``point``; empty where it
+    fails there."""
+    try:
+        with warnings.catch_warnings():  # what the model warns of at a size only probed is not the user's run's
+            warnings.simplefilter("ignore")
+            out = torch_outputs(model, from_feed(resize(row, axes, point), like))
+    except Exception:  # noqa: BLE001 - a size the model cannot take says nothing of its rows here
+        return {}
+    return {k: v.shape[0] for k, v in out.items() if v.ndim}
+
+
+def _folded_rows(
+    model: nn.Module, like: Inputs, ref: Mapping[str, np.ndarray], point: Mapping[str, int], feed: Feed, axes: Axes
+) -> ModelError | None:
+    """The error where an output of PyTorch's at ``point`` (``ref``, on the rows ``feed`` resized) has another
+    number of rows than the inputs have samples, while at the rows' own sizes it has one row a sample, on them and
+    on one sample alone: its axis 0 is the batch, and the model folds the varied axis into it (a pool sized to the
+    data's length, then ``view(-1, C)``), which every gate would pass, the graph computing the same wrong rows.
+    Outputs whose length the values decide (NMS) seldom keep one row a sample at two counts; None where none is."""
+    samples = len(next(iter(feed.values()))) if feed else 0
+    odd = [k for k, v in ref.items() if v.ndim and v.shape[0] != samples]
+    if not odd:
+        return None
+    own = own_sizes(feed, axes)
+    row = {k: v[:1] for k, v in feed.items()}
+    whole, one = _rows_of_one(model, like, feed, axes, own), _rows_of_one(model, like, row, axes, own)
+    at_point = _rows_of_one(model, like, row, axes, point)
+    for name in odd:
+        if whole.get(name) == samples and one.get(name) == 1 and at_point.get(name, 1) != 1:
+            return _folded_error(name, at_point[name], point, own)
+    return None
+
+
+def _folded_error(name: str, rows: int, point: Mapping[str, int], own: Mapping[str, int]) -> ModelError:
+    """:func:`_folded_rows`'s error: output ``name`` has ``rows`` rows for one sample at ``point``, one at the rows'
+    own sizes (``own``)."""
+    moved = [k for k, v in point.items() if v != own.get(k, v)] or list(point)
+    at = ", ".join(f"{k}={point[k]}" for k in moved)
+    there = ", ".join(f"{k}={own[k]}" for k in moved if k in own)
+    labels = " and ".join(moved)
+    return ModelError(
+        f"output '{name}' has {rows} rows for 1 sample at {at} (1 at {there}): the model folds {labels} into the "
+        "batch axis, so its answers at other sizes are not one row a sample",
+        hint="keep the batch axis apart: a pool sized to the data's length followed by view(-1, C) makes a row of "
+        "each further window; flatten with x.view(x.size(0), -1), or pool over the whole axis, torch.amax(x, dim=2) "
+        f"or nn.AdaptiveMaxPool1d(1); or remove {labels} from signature.dynamic_axes if the model takes one size",
+    )
 
 
 def _fails_at(
@@ -319,7 +373,7 @@ def _fails_at(
         return ModelError(message, hint=steps)
     source = rows_source(direct)
     tie = one_name_hint(feeds, axes, point, source) + _untied_hint(feeds[0], axes, point, source)
-    fixed = None if tie else _fixed_axis(model, inputs, point, feeds, axes, listed)
+    fixed = None if tie else _fixed_axis(model, inputs, point, feeds, axes)
     own = own_sizes(feeds[0], axes)
     blamed = "" if fixed else _listed_at_fault(model, inputs, point, feeds[0], axes, listed)
     if blamed:
@@ -421,22 +475,24 @@ def _fixed_axis(
     point: Mapping[str, int],
     feeds: list[Feed],
     axes: Axes,
-    listed: Mapping[str, list[int]],
 ) -> tuple[str, list[int]] | None:
-    """An axis of ``point`` at a size Kiln made (not one ``listed``, which the fix for a listed size speaks of)
-    that the model itself fixes, with the sizes it was tried at: the data (every one of ``feeds``) has one size
-    there, and PyTorch, the other axes at the data's sizes, runs at it but not at ``point``'s, one more or twice it
-    (a channel axis named as frames takes 3 alone); None where none is. A model that fails only at a size Kiln cut
-    (a sequence's end token dropped) runs at one of the larger ones."""
+    """An axis of ``point`` at another size than the data's, one Kiln made or one ``signature.shapes`` lists, that
+    the model itself fixes, with the sizes it was tried at: the data (every one of ``feeds``) has one size there,
+    and PyTorch, the other axes at the data's sizes, runs at it but not at ``point``'s, one more, twice it or, where
+    ``point``'s is larger, one less (a channel axis named as frames takes 3 alone, a cloud's xyz axis named as its
+    points); None where none is. A listed size is then not at fault: no size but the data's would run. A model that
+    fails only at a size Kiln cut (a sequence's end token dropped) runs at one of the larger ones, and one of a
+    largest size (a position table sliced to the length) at the smaller."""
     own = own_sizes(feeds[0], axes)
     row = {k: v[:1] for k, v in feeds[0].items()}
     for label, size in point.items():
-        if label not in own or size == own[label] or size in listed.get(label, ()):
+        if label not in own or size == own[label]:
             continue
         if any(own_sizes(f, axes).get(label) != own[label] for f in feeds):
             continue
         runs = runs_at(model, row, like, axes, own, label)
-        tried = sorted({size, own[label] + 1, 2 * own[label]})
+        below = size if size < own[label] else own[label] - 1  # a model of a largest size runs below it
+        tried = sorted({s for s in (below, size, own[label] + 1, 2 * own[label]) if s >= 1})
         if runs(own[label]) and not any(runs(s) for s in tried):
             return label, tried
     return None

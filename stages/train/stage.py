@@ -128,8 +128,10 @@ def train_to(
             sources=sources,
         )
     check_learned(result, lambda: first_batch_nonfinite(model, data.train_x, device, config.train.batch_size))
-    warn_learned_nothing_held_out(result.history, chance_loss(task, data.num_classes))
-    warn_diverged(result.history, chance_loss(task, data.num_classes))
+    chance = chance_loss(task, data.num_classes)
+    if not warn_learned_nothing_held_out(result.history, chance):
+        warn_at_chance(result, data.num_classes, chance)
+    warn_diverged(result.history, chance)
     if env.is_main:
         save_trained(out, model, config.model, {"dataset": data.name, "input_shapes": data.sample_shapes})
     return TrainSummary.model_validate({**result.summary(), "data_warnings": data_warnings})
@@ -231,22 +233,23 @@ def warn_diverged(history: list[EpochMetrics], chance: float | None) -> None:
     )
 
 
-def warn_learned_nothing_held_out(history: list[EpochMetrics], chance: float | None = None) -> None:
+def warn_learned_nothing_held_out(history: list[EpochMetrics], chance: float | None = None) -> bool:
     """Say where the training loss fell by more than half after the first epoch while validation accuracy never rose
     above the first epoch's (and had room to: a first epoch right on nearly every row has learned the task) and the
     validation loss did not fall clearly below the first epoch's and chance level ``chance`` either
     (:func:`held_out_loss_fell`): what the model learned does not show in eval mode or on the held-out rows. A model
     whose BatchNorm keeps running statistics far from its batches' (a small momentum) or that branches on
     ``self.training`` trains well and answers at chance in eval mode, and validation then passes engines that
-    agree with a model that does nothing; labels that do not belong to their inputs look the same."""
+    agree with a model that does nothing; labels that do not belong to their inputs look the same. Returns whether it
+    warned, so that :func:`warn_at_chance` does not say it again."""
     scored = [m for m in history if m.val_accuracy is not None and math.isfinite(m.loss)]
     if len(scored) < 3:
-        return
+        return False
     first, last = scored[0], scored[-1]
     if first.val_accuracy + ROOM_TO_RISE >= 1.0 or held_out_loss_fell(scored, chance):
-        return
+        return False
     if not (last.loss < 0.5 * first.loss and max(m.val_accuracy for m in scored) <= first.val_accuracy + ROOM_TO_RISE):
-        return
+        return False
     logging.getLogger("kiln.train").warning(
         "training loss fell from %.3g (epoch %d) to %.3g (epoch %d), yet validation accuracy stayed at %.3f: what "
         "the model learned does not show on the held-out rows. Check that forward computes alike in model.eval() "
@@ -257,6 +260,41 @@ def warn_learned_nothing_held_out(history: list[EpochMetrics], chance: float | N
         last.loss,
         last.epoch,
         max(m.val_accuracy for m in scored),
+    )
+    return True
+
+
+# Held-out accuracy at most this far above 1/num_classes (and half of that at most) is chance level (warn_at_chance)
+CHANCE_MARGIN = 0.05
+# Where no held-out accuracy was measured, a final training loss at least this share of ln(num_classes) is chance
+# level (warn_at_chance)
+CHANCE_LOSS_SHARE = 0.95
+
+
+def warn_at_chance(result: TrainResult, num_classes: int, chance: float | None) -> None:
+    """Warn where the trained model answers at chance level: the held-out accuracy of the weights returned is at most
+    1/num_classes plus :data:`CHANCE_MARGIN` (half of chance at most, so a 100-class model at five times chance is
+    not said to be), or, where none was measured, the last epoch's training loss is still :data:`CHANCE_LOSS_SHARE`
+    of ``chance`` (:func:`chance_loss`, the loss of uniform scores) or more. Validation then holds engines to a
+    model that does nothing, which every gate passes and which proves little; labels that do not belong to their
+    inputs, or a training too short, look the same. Quiet where ``chance`` is unknown (regression, a loss of the
+    user's)."""
+    if chance is None or num_classes < 2:
+        return
+    chosen = result.selected()
+    accuracy = chosen.val_accuracy if chosen is not None else None
+    last = next((m.loss for m in reversed(result.history) if math.isfinite(m.loss)), None)
+    level = 1.0 / num_classes
+    if accuracy is not None and accuracy <= level + min(CHANCE_MARGIN, level / 2):
+        said = f"held-out accuracy {accuracy:.4f} on {num_classes} classes, chance {level:.4f}"
+    elif accuracy is None and last is not None and last >= CHANCE_LOSS_SHARE * chance:
+        said = f"final training loss {last:.4g}, the ln({num_classes}) = {chance:.4g} of uniform scores"
+    else:
+        return
+    logging.getLogger("kiln.train").warning(
+        "the trained model predicts at chance level (%s): engines that agree with it prove little. Check that "
+        "train_y labels train_x (and val_y val_x), then train longer (train.epochs) or at another train.lr",
+        said,
     )
 
 

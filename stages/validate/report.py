@@ -662,18 +662,29 @@ def _measured_on_logits(v: ValidationResult) -> str:
 
 
 def _padded(b: Any) -> str:
-    """Which validated sizes lie past the data's own (where accuracy was measured): there the held-out inputs are
-    lengthened (their values repeated along the axis: token ids with their mask; float copies shifted slightly,
-    :func:`kiln.core.shapes.copy_step`), which the gates judge too."""
+    """How the held-out inputs were made at validated sizes other than the data's own (where accuracy was measured),
+    which the gates judge too: past it they are lengthened (their values repeated along the axis: token ids with
+    their mask; float copies shifted slightly, :func:`kiln.core.shapes.copy_step`); below it they are cut, keeping
+    their first positions (the last where rows are padded on the left), so a smaller size sees only the start of
+    each sample: a cloud's first points, a sorted one's bottom slice."""
     own = getattr(b, "scored_at", None) or {}
     past = [p for p in b.shapes if any(p.get(k, 0) > v for k, v in own.items())]
-    if not past:
-        return ""
-    said, data = "; ".join(_point(p) for p in past), _point(dict(sorted(own.items())))
-    return (
-        f" (at {said} the held-out inputs are lengthened past the data's own {data}: their values repeated along "
-        "the axis, each copy of a float input shifted by a fraction of its spread so that no score ties)"
-    )
+    below = [p for p in b.shapes if any(k in p and p[k] < v for k, v in own.items())]
+    data = _point(dict(sorted(own.items())))
+    said = []
+    if past:
+        said.append(
+            f"at {'; '.join(_point(p) for p in past)} the held-out inputs are lengthened past the data's own {data}: "
+            "their values repeated along the axis, each copy of a float input shifted by a fraction of its spread so "
+            "that no score ties"
+        )
+    if below:
+        said.append(
+            f"at {'; '.join(_point(p) for p in below)} {'they' if past else 'the held-out inputs'} are cut short of "
+            f"the data's own {data} by keeping their first positions along the axis (the last where rows are padded "
+            "on the left), so that size sees only the start of each sample"
+        )
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def _narrower(v: ValidationResult) -> list[str]:

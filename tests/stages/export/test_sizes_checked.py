@@ -262,11 +262,11 @@ class OneLength(nn.Module):
         return self.head(x).mean(1)
 
 
-def test_a_listed_size_of_a_model_that_takes_one_length_is_said_as_listed_after_a_short_probe(
+def test_a_listed_size_of_a_model_that_takes_one_length_is_said_to_be_fixed_after_a_short_probe(
     tmp_path: Path,
 ) -> None:
     """The step probe stops once a first sample shows the data's length alone runs (not the two periods of 64 it
-    probes for steps), and the fix speaks of the listed size, not of one Kiln made."""
+    probes for steps), and the fix says the model fixes the axis: no size listed there but the data's would run."""
     model, x, axes = OneLength().eval(), torch.randn(12, 16, 4), {"input": {1: "seq"}}
     data, path = DatasetSplits(x[:8], None, x[8:], None), tmp_path / "m.onnx"
     export_onnx(model, x[:2], path, dynamic_axes=axes)
@@ -276,4 +276,27 @@ def test_a_listed_size_of_a_model_that_takes_one_length_is_said_as_listed_after_
     with pytest.raises(ModelError, match="the model fails at seq=200") as err:
         check_validated_sizes(model, path, ort_session(path), data, ["input"], axes, {"seq": [16, 200]}, 1e-4)
     assert len(calls) < MAX_PERIOD
+    assert "the model fixes axis 1 of 'input' (seq): it runs at the data's 16 alone there" in err.value.message
+    assert (err.value.hint or "").startswith("remove the axis from signature.dynamic_axes"), err.value.hint
+
+
+class UpToLength(nn.Module):
+    """A position table of 16 rows sliced to the length: it takes 16 steps and fewer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos, self.head = nn.Parameter(torch.randn(1, 16, 4)), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.pos[:, : x.shape[1]]).mean(1)
+
+
+def test_a_listed_size_past_a_models_largest_is_said_as_listed(tmp_path: Path) -> None:
+    """A model that takes the data's length and shorter ones does not fix the axis: the listed size is at fault."""
+    model, x, axes = UpToLength().eval(), torch.randn(12, 16, 4), {"input": {1: "seq"}}
+    data, path = DatasetSplits(x[:8], None, x[8:], None), tmp_path / "m.onnx"
+    export_onnx(model, x[:2], path, dynamic_axes=axes)
+    with pytest.raises(ModelError, match="the model fails at seq=200") as err:
+        check_validated_sizes(model, path, ort_session(path), data, ["input"], axes, {"seq": [16, 200]}, 1e-4)
+    assert "fixes" not in err.value.message, err.value.message
     assert (err.value.hint or "").startswith("signature.shapes lists seq=200: list there only sizes the model takes")
