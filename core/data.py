@@ -560,6 +560,8 @@ def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> No
     if given.numel() and (int(given.min()) < 0 or int(given.max()) >= num_classes):
         if _integer_boxes(y, num_classes):
             raise _integer_boxes_error(y, split, num_classes, ref)
+        if _packed_targets(y, num_classes):
+            raise _packed_targets_error(y, split, num_classes, ref)
         raise _out_of_range(given, split, num_classes, ref, dense)
 
 
@@ -583,6 +585,36 @@ def _integer_boxes_error(y: torch.Tensor, split: str, num_classes: int, ref: str
         f"are read as class ids at every position, 0..{num_classes - 1} (num_classes {num_classes})",
         hint=f"give detection labels as float: {split}_y.float() (detection_recall and your train.loss read "
         "column 0 as the class, a negative class marking padding, and columns 1-4 as the box in the labels' units)",
+    )
+
+
+def _packed_targets(y: torch.Tensor, num_classes: int) -> bool:
+    """Integer ``[N, K]`` labels (K > 1) whose column 0 holds classes and whose other columns hold several values
+    outside them: most likely several targets a sample packed in one tensor (a class, an age, attributes), not a
+    class per position. One value outside the classes is left to :func:`_ignore_value` (a dataset's ignore mark)."""
+    if y.ndim != 2 or y.shape[1] < 2 or not y.numel():
+        return False
+    first, rest = y[:, 0], y[:, 1:]
+    outside = rest[(rest != IGNORE_LABEL) & ((rest < 0) | (rest >= num_classes))]
+    in_range = bool(((first == IGNORE_LABEL) | ((first >= 0) & (first < num_classes))).all())
+    return in_range and len(outside.unique()) > 1
+
+
+def _packed_targets_error(y: torch.Tensor, split: str, num_classes: int, ref: str) -> DataContractError:
+    """The error for integer labels that look like several targets a sample (:func:`_packed_targets`): integer
+    labels are read as class ids at every position (cross-entropy, accuracy), so targets beside the class go in one
+    float tensor, which a ``train.loss`` and ``validate.metric`` of the user's split again."""
+    rest = y[:, 1:]
+    columns = "column 1" if y.shape[1] == 2 else f"columns 1-{y.shape[1] - 1}"
+    return DataContractError(
+        f"dataset '{ref}': {split}_y is {str(y.dtype).removeprefix('torch.')}{list(y.shape)}: column 0 holds "
+        f"classes 0..{num_classes - 1}, {columns} values from {int(rest.min())} to "
+        f"{int(rest.max())}, outside them (num_classes {num_classes}); integer labels are read as class ids at every "
+        "position",
+        hint="if these are several targets a sample, give them as one float tensor, one row per sample: "
+        "torch.cat([cls[:, None].float(), age[:, None], attrs], 1), split again in your train.loss "
+        "(targets[:, 0].long(), targets[:, 1:]) and validate.metric; if they are class ids per position, fix the "
+        "labels or num_classes",
     )
 
 

@@ -448,12 +448,12 @@ def not_made(precision: str, entry: dict[str, Any]) -> str | None:
         return None
     if cpu is not None and own["passed"] != cpu["passed"]:
         if own["passed"]:  # the ORT CPU graph missed: ORT CPU engines run the Q/DQ graph, which passed
-            entry["ort_cpu_unmade"] = _why(precision + " (onnxruntime-cpu graph)", cpu, FAILED_GATES)
+            entry["ort_cpu_unmade"] = _why(precision + " (onnxruntime-cpu graph)", cpu, FAILED_GATES, precision)
             entry.pop("backend_paths", None)
         else:
-            entry["unmade"] = _why(precision + " (Q/DQ graph)", own, FAILED_GATES)
+            entry["unmade"] = _why(precision + " (Q/DQ graph)", own, FAILED_GATES, precision)
         return None
-    return None if own["passed"] else _why(precision, own)
+    return None if own["passed"] else _why(precision, own, precision=precision)
 
 
 def mark_too_little(
@@ -610,23 +610,64 @@ DYNAMIC_HINT = (
 )
 
 
-def _why(label: str, fallback: dict[str, Any], outcome: str = "not made") -> str:
+def _why(label: str, fallback: dict[str, Any], outcome: str = "not made", precision: str | None = None) -> str:
     """The fallback's failure in a line: ``label`` and its ``outcome``, the gates missed, the nodes tried, and why
-    the search stopped early where it did (rounds that kept more nodes in float without a measured gain)."""
+    the search stopped early where it did (rounds that kept more nodes in float without a measured gain); where
+    the task metric's gate was missed, the setting that allows it (:func:`_metric_allowance`)."""
     tried = fallback.get("tried") or []
     nodes = f"tried keeping {len(tried)} nodes in float ({', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"
     stopped = [r["stopped"] for r in fallback.get("rounds") or [] if r.get("stopped")]
     failures = "; ".join(fallback.get("failures") or ["?"])
+    allowance = _metric_allowance(precision or label.split()[0], fallback)
     if "passed" in fallback and quantized_nothing(fallback):  # no graph of that precision to judge: no gate missed
         return f"{label} not made: {failures}"
     if fallback.get("not_searched"):  # checked once: no engine of the run reads it
-        return f"{label} {outcome}: it misses the gates at round 0 ({failures}); {fallback['not_searched']}"
+        return f"{label} {outcome}: it misses the gates at round 0 ({failures}); {fallback['not_searched']}{allowance}"
     if fallback.get("enabled") is False:  # one graph, checked once: no round kept anything in float
-        return f"{label} {outcome}: it misses the gates its engines face ({failures}); the accuracy fallback is off"
+        return (
+            f"{label} {outcome}: it misses the gates its engines face ({failures}); the accuracy fallback is off"
+            + allowance
+        )
     return (
         f"{label} {outcome}: no fallback round passed the gates its engines face "
-        f"({failures}); {nodes if tried else 'no node was tried in float'}" + "".join(f"; {s}" for s in stopped)
+        f"({failures}); {nodes if tried else 'no node was tried in float'}"
+        + "".join(f"; {s}" for s in stopped)
+        + allowance
     )
+
+
+# a missed task-metric gate as accuracy_failures words it: "<metric> <value> vs <reference>: drop <d> > max_metric_drop"
+METRIC_MISS = re.compile(
+    r"(?P<name>\S+) \S+ vs \S+: (?P<said>relative rise|drop) (?P<drop>[0-9.eE+-]+) > max_metric_drop "
+)
+
+
+def _metric_allowance(precision: str, fallback: dict[str, Any]) -> str:
+    """Where the graph with every node in ``precision`` (round 0, else the last failures) missed the task metric's
+    gate, the setting that allows that measured drop: validate.gates.per_precision.<precision>.max_metric_drop,
+    in the metric's own units (a relative metric's: a share of the reference's value). The default per-precision
+    gates loosen the accuracy drop, not the metric's, so a drop too small to matter otherwise drops the variant
+    with no setting named. Empty where the metric's gate was not missed or its drop is not finite."""
+    rounds = fallback.get("rounds") or []
+    failures = (rounds[0].get("failures") if rounds else None) or fallback.get("failures") or []
+    misses = [m for m in map(METRIC_MISS.search, failures) if m is not None]
+    if not misses or not math.isfinite(drop := max(float(m["drop"]) for m in misses)):
+        return ""
+    name, relative = misses[0]["name"], misses[0]["said"] != "drop"
+    units = "a share of the reference's value" if relative else f"in {name}'s own units"
+    others = len(misses) < len(failures)
+    allows = "would pass that gate, not the others it misses" if others else "allows it"
+    return (
+        f"; {name}'s {misses[0]['said']} with every node in {precision} is {drop:.4g} ({units}): "
+        f"validate.gates.per_precision.{precision}.max_metric_drop: {_rounded_up(drop)} {allows}, if that "
+        f"{'rise' if relative else 'drop'} is acceptable"
+    )
+
+
+def _rounded_up(value: float) -> float:
+    """``value`` rounded up to two significant digits: a limit that holds it, readable."""
+    step = 10.0 ** (math.floor(math.log10(value)) - 1) if value > 0 else 1e-6
+    return float(f"{math.ceil(value / step - 1e-9) * step:.2g}")
 
 
 def held_out_check(

@@ -37,6 +37,7 @@ from kiln.stages.accuracy.check import (
     summarize,
     with_nonfinite,
 )
+from kiln.stages.accuracy.metrics import BUILTINS, Metric, against_reference, resolve_metric
 from kiln.stages.engines.backend import check_feed as check_engine_feed
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
@@ -108,6 +109,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     largest shape, at each batch size. Its headline values are over the outputs its gates hold
     (``validate.gates.gated_outputs``), as the stage's are."""
     meta = read_metadata(engine_dir)
+    metric = _direct_metric(cfg)  # a bad import path is said before anything runs
     _refuse_random_graphs(engine_dir, meta, reference)
     # An engine whose inputs share no batch axis (one built before Kiln refused such graphs): said as what it is, not
     # as the row counts of a feed or as inputs of another model
@@ -140,11 +142,47 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     entry.shapes = [size for i, size in enumerate(sizes) if size and size not in sizes[:i]]
     _say_unvalidated_ranges(meta, sizes)
     missed = _missed_by_shape(meta, sizes, each, logits, entry.gates)
-    failures = check_gates(entry, None, entry.gates, max(times))
+    entry.metric, baseline = _scored(metric, refs, gots) if metric is not None else (None, None)
+    failures = check_gates(entry, None, entry.gates, max(times), metric, baseline)
     entry.failures = [placed_failure(f, missed)[0] for f in failures] + unmeasured
     entry.passed = not entry.failures
     entry.hints = [NO_FINITE_FIX] if unmeasured else []
     return entry
+
+
+def _direct_metric(cfg: ValidateSettings) -> Metric | None:
+    """``validate.metric`` as this command scores it (None: not set, or a built-in): its inputs carry no labels, so,
+    as in a run on unlabelled data (:func:`~kiln.stages.accuracy.metrics.against_reference`), a metric of the
+    user's scores the engine's outputs against the reference's, and the reference's score of itself is the baseline
+    ``max_metric_drop`` holds the engine to. A built-in reads labels of a task: it is resolved, and said once not to
+    be scored, rather than failing a command whose config is a run's."""
+    metric = resolve_metric(cfg.validate.metric, None, cfg.validate.metric_higher_is_better)
+    if metric is None:
+        return None
+    if metric.name in BUILTINS:
+        log.warning(
+            "validate.metric '%s' is not scored here: a built-in metric reads labels, and --inputs carry none (a "
+            "metric of yours, pkg.mod:fn, would score the engine's outputs against the reference's)",
+            metric.name,
+        )
+        return None
+    log.info(
+        "validate.metric '%s' scores the engine's outputs against the reference's: --inputs carry no labels",
+        metric.name,
+    )
+    return against_reference(metric)
+
+
+def _scored(metric: Metric, refs: list[Feed], gots: list[Feed]) -> tuple[float, float]:
+    """``metric`` of the engine's outputs and of the reference's own (its labels, a perfect match: the baseline) at
+    the check where the engine's drop is largest, as the other comparisons keep their worst. Each call gets copies:
+    the metric may write into what it is given."""
+    scores = [(metric(_copy(got), _copy(ref)), metric(_copy(ref), _copy(ref))) for ref, got in zip(refs, gots)]
+    return max(scores, key=lambda s: metric.drop(s[1], s[0]))
+
+
+def _copy(outputs: Feed) -> Feed:
+    return {k: np.array(v) for k, v in outputs.items()}
 
 
 def _run(
