@@ -79,6 +79,25 @@ def follows_positions(
     return size in set(sizes) or any(o.ndim > y.ndim and size in tuple(o.shape[1:-1]) for o in outputs)
 
 
+def follows_output(y: Any, own: Mapping[str, Any], others: Iterable[Mapping[str, Any]]) -> str | None:
+    """The output float targets ``y`` are values per position of (an image-to-image model's ``[N, 3, 2H, 2W]``, a
+    sequence regression's ``[N, T]``), or None: one of the targets' rank and, past the batch axis, their shape in
+    ``own`` (the model's outputs on the inputs at the data's own sizes) whose shape differs in one of ``others``
+    (its outputs at other sizes), so that its axes follow the inputs'. Such targets, like integer labels per
+    position (:func:`follows_positions`), fit the data's own sizes only: a cut or repeated image is targeted by no
+    array of them."""
+    if y is None or y.ndim < 2 or not floating(y):
+        return None
+    others = list(others)
+    for name, out in own.items():
+        shape = tuple(np.shape(out)[1:])
+        if np.ndim(out) != y.ndim or shape != tuple(y.shape[1:]):
+            continue
+        if any(name in o and tuple(np.shape(o[name])[1:]) != shape for o in others):
+            return name
+    return None
+
+
 def copied_input(inputs: Mapping[str, Any], y: Any) -> str | None:
     """The integer input equal to the labels per position ``y`` at every labelled position, or None. Kiln scores the
     logits at position t against the label at t, so labels that repeat an input (Hugging Face's causal-LM ``labels =

@@ -34,6 +34,8 @@ from kiln.core.data import DatasetSplits, Feed, feed_for_graph, feed_rows, feed_
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.labels import (
     IGNORE_LABEL,
+    floating,
+    follows_output,
     follows_positions,
     is_mask_name,
     left_padded,
@@ -914,7 +916,10 @@ class Reference:
     outputs over the validated shapes: :func:`known_output_axes`), by which each output is compared without the
     padding of the attention mask on its own axis only. ``per_row``: the rows of the held-out feeds where an output
     of one value per row (``[N]``) may be a binary classifier's one logit (:func:`binary_logit`: a binary task's,
-    or one the user names with no data to say otherwise), else None."""
+    or one the user names with no data to say otherwise), else None. ``followed``: the output float targets are
+    values per position of, scored at the data's own sizes only (:func:`output_followed`)."""
+
+    followed: str | None = None
 
     def __init__(
         self,
@@ -1395,7 +1400,8 @@ def held_out_reference(
     own = own_feed(data, feeds, n)
     scored = labels if labels is not None else targets
     follows = label_positions(run, feeds, own, scored, logits, axes, output_axes, min(batch_sizes))
-    feeds, score = scoring_point(scored, own, feeds, axes, metric is not None, follows)
+    followed = None if labels is not None else output_followed(run, feeds, own, targets, min(batch_sizes))
+    feeds, score = scoring_point(scored, own, feeds, axes, metric is not None, follows, followed, labels is not None)
     point_labels = labels_at_points(labels, own, feeds, axes, follows)
     # the metric reads the outputs at the scored point: per-position targets follow the inputs there too
     if targets is not None and score is not None:
@@ -1416,6 +1422,7 @@ def held_out_reference(
         axes,
         output_axes,
     )
+    ref.followed = followed
     gated_outputs(cfg.gates.gated_outputs, list(ref.outputs[-1]))  # a misspelt name: said before any variant is made
     if metric is None and ref.targets is not None and ref.score is not None and regression(data):
         ref.metric = default_metric(ref.outputs[ref.score], ref.targets, logits)
@@ -1480,6 +1487,8 @@ def scoring_point(
     axes: Axes,
     metric: bool,
     follows: dict[int, str] | None = None,
+    followed: str | None = None,
+    task: bool = True,
 ) -> tuple[Points, int | None]:
     """The feeds, and the index of the one task accuracy and the metric (``metric``: one is configured) are
     measured at: the data's own sizes, the inputs the labels were given for (:func:`own_scoring_point`). Labels
@@ -1488,32 +1497,67 @@ def scoring_point(
     the next tokens easy): they are scored elsewhere only where the data's own sizes lie outside the validated
     ranges, at the last shape they fit. Pixel labels ``[N, H, W]`` of images ``[N, 3, H, W]`` fit only the data's
     own sizes, since a cut or padded image is labelled by no array of them: outside the validated ranges accuracy
-    and the metric are measured nowhere (None), said as a warning: their gates are not applied. ``follows``: the
-    axes the class logits' positions lie on (:func:`labels_at_points`)."""
+    and the metric are measured nowhere (None), said as a warning: their gates are not applied. So are float targets
+    that are values per position of output ``followed`` (an upscaler's images ``[N, 3, 2H, 2W]``:
+    :func:`output_followed`). ``follows``: the axes the class logits' positions lie on (:func:`labels_at_points`).
+    ``task``: the labels are classes, scored by task accuracy (else float targets, by the metric alone)."""
     if labels is None:
         return feeds, len(feeds) - 1
-    if not follows_positions(labels, sizes=input_sizes(own)):
-        return own_scoring_point(own, feeds, axes, metric, len(feeds) - 1)
-    fit = [i for i, y in enumerate(labels_at_points(labels, own, feeds, axes, follows)) if y is not None]
+    if followed is not None:
+        fit = at_own_shape(own, feeds)
+    elif not follows_positions(labels, sizes=input_sizes(own)):
+        return own_scoring_point(own, feeds, axes, metric, len(feeds) - 1, task=task)
+    else:
+        fit = [i for i, y in enumerate(labels_at_points(labels, own, feeds, axes, follows)) if y is not None]
     if fit:
-        return own_scoring_point(own, feeds, axes, metric, fit[-1], labels)
+        return own_scoring_point(own, feeds, axes, metric, fit[-1], labels, task)
     point, added = own_point(own, axes), with_own_point(own, feeds, axes)
     if added is None:
-        log.warning("%s", unscored(labels, point, axis_ranges([p for p, _ in feeds]), metric))
+        ranges = axis_ranges([p for p, _ in feeds])
+        log.warning("%s", unscored(labels, point, ranges, metric, followed))
         return feeds, None
-    _say_own_point(point, metric, labels)
+    _say_own_point(point, metric, labels, task)
     return added
 
 
+def at_own_shape(own: Feed, feeds: Points) -> list[int]:
+    """The indices of the feeds whose every input has its shape in ``own``, the data's own sizes."""
+    return [i for i, (_, feed) in enumerate(feeds) if all(feed[k].shape == v.shape for k, v in own.items())]
+
+
+def output_followed(
+    run: Callable[[Feed], dict[str, np.ndarray]], feeds: Points, own: Feed, targets: np.ndarray | None, batch: int
+) -> str | None:
+    """The output float ``targets`` are values per position of (:func:`~kiln.core.labels.follows_output`: an
+    upscaler's images), read from the reference run on ``batch`` rows at the data's own sizes and at the smallest
+    and largest validated shapes; None where the targets are no such values, or the run fails there (the
+    reference's own error surfaces where the comparisons run it)."""
+    if targets is None or targets.ndim < 2 or not floating(targets):
+        return None
+    try:
+        at_own = run(sample_batch(own, batch))
+        others = [run(sample_batch(feed, batch)) for _, feed in (feeds[0], feeds[-1])]
+    except Exception:
+        return None
+    return follows_output(targets, at_own, others)
+
+
 def own_scoring_point(
-    own: Feed, feeds: Points, axes: Axes, metric: bool, fallback: int, labels: np.ndarray | None = None
+    own: Feed,
+    feeds: Points,
+    axes: Axes,
+    metric: bool,
+    fallback: int,
+    labels: np.ndarray | None = None,
+    task: bool = True,
 ) -> tuple[Points, int]:
     """Where labels that fit other sizes too (per row, or per position following an input: ``labels``) are scored:
     the data's own sizes, the inputs the labels were given for (audio padded with silence or an image padded with
     black is another input, whose label may differ; a text tiled to a longer length repeats itself). The last
     validated shape with those sizes; else, where they lie within every axis's validated range, a shape of their
     own added to the feeds; else ``fallback`` (the last shape the labels fit), said as a warning (the inputs there
-    are cut or padded from the data's)."""
+    are cut or lengthened from the data's: :func:`_resized_said`). ``task``: the labels are classes, scored by task
+    accuracy (else float targets, by the metric alone)."""
     point = own_point(own, axes)
     same = [i for i, (p, _) in enumerate(feeds) if all(p.get(k) == v for k, v in point.items())]
     if same:
@@ -1521,27 +1565,50 @@ def own_scoring_point(
     added = with_own_point(own, feeds, axes)
     if added is None:
         log.warning(
-            "task accuracy%s measured at %s, the held-out inputs%s cut or padded from the data's own sizes (%s), "
-            "which lie outside the validated ranges (cut by keeping the first positions, the last where an attention "
-            "mask pads on the left: a forecaster's window then no longer ends where its targets begin): add the "
-            "data's sizes to signature.shapes to score the inputs as labelled",
-            " and the metric" if metric else "",
+            "%s measured at %s, the held-out inputs%s %s from the data's own sizes (%s), which lie outside the "
+            "validated ranges: add the data's sizes to signature.shapes to score the inputs as labelled",
+            _scores_said(metric, task),
             _sizes(feeds[fallback][0]),
             "" if labels is None else " and their labels",
+            _resized_said(point, feeds[fallback][0]),
             _sizes(point),
         )
         return feeds, fallback
-    _say_own_point(point, metric, labels)
+    _say_own_point(point, metric, labels, task)
     return added
 
 
-def _say_own_point(point: dict[str, int], metric: bool, labels: np.ndarray | None) -> None:
+def _scores_said(metric: bool, task: bool) -> str:
+    """What is measured at the scoring point, in words: task accuracy where the labels are classes, and the metric."""
+    if not task:
+        return "the metric"
+    return "task accuracy and the metric" if metric else "task accuracy"
+
+
+def _resized_said(own: dict[str, int], point: dict[str, int]) -> str:
+    """How the inputs at ``point`` were made from those at the data's own sizes ``own``, in words: cut (keeping the
+    first positions, or the last where an attention mask pads on the left), lengthened by repeating their values
+    (:func:`kiln.core.shapes.resize`), or both, on the axes named."""
+    cut = sorted(k for k, v in point.items() if k in own and v < own[k])
+    grown = sorted(k for k, v in point.items() if k in own and v > own[k])
+    said = []
+    if cut:
+        said.append(
+            f"cut along {', '.join(cut)} (keeping the first positions, the last where an attention mask pads on the "
+            "left: a forecaster's window then no longer ends where its targets begin)"
+        )
+    if grown:
+        said.append(f"lengthened along {', '.join(grown)} by repeating their values")
+    return " and ".join(said) or "resized"
+
+
+def _say_own_point(point: dict[str, int], metric: bool, labels: np.ndarray | None, task: bool = True) -> None:
     """Logs that accuracy (and the metric) are measured at the data's own sizes, validated as a shape of their own."""
     log.info(
-        "task accuracy%s measured at the data's own sizes (%s), validated beside the configured ones%s",
-        " and the metric" if metric else "",
+        "%s measured at the data's own sizes (%s), validated beside the configured ones%s",
+        _scores_said(metric, task),
         _sizes(point),
-        "" if labels is None else f": the inputs the labels per position {_shape(labels)} were given for",
+        "" if labels is None else f": the inputs the {'labels' if task else 'targets'} {_shape(labels)} were given for",
     )
 
 
@@ -1580,16 +1647,33 @@ def axis_ranges(points: list[dict[str, int]]) -> dict[str, tuple[int, int]]:
     return {k: (min(p[k] for p in points if k in p), max(p[k] for p in points if k in p)) for k in names}
 
 
-def unscored(labels: np.ndarray, point: dict[str, int], ranges: dict[str, tuple[int, int]], metric: bool) -> str:
+def unscored(
+    labels: np.ndarray,
+    point: dict[str, int],
+    ranges: dict[str, tuple[int, int]],
+    metric: bool,
+    followed: str | None = None,
+) -> str:
     """Why accuracy (and the metric) go unmeasured: the data's own sizes, the only ones its labels per position
-    fit, lie outside the validated ranges the engines are built for."""
+    fit, lie outside the validated ranges the engines are built for. ``followed``: the output float targets are
+    values per position of (:func:`output_followed`), scored by a metric alone."""
     validated = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in sorted(ranges.items()))
-    what = "task accuracy and validate.metric are" if metric else "task accuracy is"
-    gates = "max_accuracy_drop and max_metric_drop are" if metric else "max_accuracy_drop is"
+    if followed is not None:
+        what = (
+            "validate.metric is not measured and max_metric_drop is not applied" if metric else "no metric is measured"
+        )
+        held = f"targets {_shape(labels)} are values per position of output '{followed}'"
+    else:
+        what = "task accuracy and validate.metric are" if metric else "task accuracy is"
+        what += " not measured and " + (
+            "max_accuracy_drop and max_metric_drop are" if metric else "max_accuracy_drop is"
+        )
+        what += " not applied"
+        held = f"labels {_shape(labels)} are per position"
     return (
-        f"{what} not measured and {gates} not applied: the held-out labels {_shape(labels)} are per position at "
-        f"the data's own sizes ({_sizes(point)}), outside the validated sizes ({validated}) the engines are built "
-        "for, and labels at other sizes would label other positions; add the data's sizes to signature.shapes to "
+        f"{what}: the held-out {held} at the data's own sizes ({_sizes(point)}), outside the validated "
+        f"sizes ({validated}) the engines are built for, and {'targets' if followed else 'labels'} at other sizes "
+        f"would {'target' if followed else 'label'} other positions; add the data's sizes to signature.shapes to "
         "measure it"
     )
 
@@ -1749,14 +1833,7 @@ def top1_output(
     agreement would pass or fail an engine at random. It is then compared as outputs without class logits are:
     cosine of the whole output and of its worst sample, error and relative error."""
     if logits is not None and named and data is not None and regression(data):
-        # naming the prediction among several outputs (a forecaster's mean beside its log_var) is the setting's
-        # use with a regression's targets, and what the warning of a tuple output asks for: said as information
-        log.info(
-            "output '%s', which signature.logits_output names, holds the prediction of float targets (a "
-            "regression's): compared by cosine, error and relative error, not by top-1 agreement (give num_classes "
-            "in the data if it holds class logits, or a multi-label head's)",
-            logits,
-        )
+        _say_named_prediction(logits, data, output)
         return None
     if logits is None or named:
         return logits
@@ -1814,6 +1891,33 @@ def top1_output(
         "a score or other values" if one else "an image or other values",
     )
     return None
+
+
+def _say_named_prediction(logits: str, data: DatasetSplits, output: np.ndarray | None) -> None:
+    """Says that output ``logits``, which ``signature.logits_output`` names, is held as the prediction of the data's
+    float targets (a regression's), not as class logits. Naming the prediction among several outputs (a
+    forecaster's mean beside its log_var: as many values per row as the targets) is the setting's use with a
+    regression, and what the warning of a tuple output asks for: said as information. A named output of several
+    columns per row that the targets do not match (a multi-task model's class logits beside its other heads, whose
+    data gives no num_classes) is most likely class logits left unscored: a warning, once per data and output."""
+    y = data.val_y if data.val_y is not None else data.train_y
+    per_row = int(np.prod(y.shape[1:])) if y is not None else None
+    columns = output is not None and output.ndim == 2 and output.shape[1] > 1 and output.shape[1] != per_row
+    key = (id(data), logits)
+    if columns and key in _SAID_PREDICTION:
+        return
+    _SAID_PREDICTION.add(key)
+    log.log(
+        logging.WARNING if columns else logging.INFO,
+        "output '%s', which signature.logits_output names, holds the prediction of float targets (a regression's, "
+        "the data giving no num_classes): compared by cosine, error and relative error, not held to "
+        "top-1 agreement or scored for accuracy; if it holds class logits (or a multi-label head's), give "
+        "num_classes in the data function (DatasetSplits(..., num_classes=K))",
+        logits,
+    )
+
+
+_SAID_PREDICTION: set[tuple[int, str]] = set()  # (data, output) named as a prediction and warned of
 
 
 def _say_no_object(logits: str, width: int, num_classes: int) -> None:

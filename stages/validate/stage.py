@@ -738,6 +738,14 @@ def unscored(ref: Reference, data: DatasetSplits, named: str | int | None = None
     y = metric_labels(data.val_y)
     if ref.accuracy is not None or getattr(ref, "metric", None) is not None or y is None or data.classification:
         return None
+    followed = getattr(ref, "followed", None)
+    if followed is not None and ref.score is None:
+        return (
+            f"no task metric scores the float targets {y.dtype}{list(y.shape)} (values per position of output "
+            f"'{followed}', which fit the data's own sizes alone, outside the validated sizes): the engines are "
+            "judged by their agreement with the reference alone; add the data's sizes to signature.shapes to score "
+            "them there"
+        )
     last = ref.outputs[-1] if getattr(ref, "outputs", None) else {}
     fit = [n for n, v in last.items() if np.size(v) == y.size]
     ambiguous = len(fit) > 1 and named is None

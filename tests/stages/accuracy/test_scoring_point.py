@@ -164,10 +164,9 @@ def test_labels_per_row_outside_the_validated_range_are_scored_at_the_last_shape
 ) -> None:
     ref = _signal_reference({"samples": [32, 64]}, caplog)
     assert len(ref.feeds) == 2 and ref.score == 1 and ref.accuracy is not None
-    assert "measured at samples=64, the held-out inputs cut or padded from the data's own sizes (samples=16)" in (
-        caplog.text
-    )
-    assert "cut by keeping the first positions" in caplog.text  # which end a forecaster's window loses
+    said = "measured at samples=64, the held-out inputs lengthened along samples by repeating their values from the "
+    assert said + "data's own sizes (samples=16)" in caplog.text
+    assert "cut" not in caplog.text  # lengthened only: no end of a window is lost
 
 
 def test_the_report_names_the_sizes_accuracy_was_measured_at() -> None:
@@ -288,7 +287,9 @@ def test_next_token_labels_outside_the_validated_range_are_scored_at_the_last_fi
     ref = _lm_reference({"seq": [24, 32]}, caplog)
     assert [p for p, _ in ref.feeds] == [{"seq": 24}, {"seq": 32}]
     assert ref.score == 1 and ref.accuracy is not None
-    said = [r for r in caplog.records if "cut or padded from the data's own sizes (seq=16)" in r.getMessage()]
+    said = [
+        r for r in caplog.records if "by repeating their values from the data's own sizes (seq=16)" in r.getMessage()
+    ]
     assert len(said) == 1 and said[0].levelname == "WARNING" and "measured at seq=32" in said[0].getMessage()
 
 
