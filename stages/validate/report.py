@@ -488,6 +488,13 @@ UNSCORED = (
     "for those alone), and labels at other sizes would label other positions; add the data's sizes to "
     "`signature.shapes` to measure it"
 )
+# the same without class logits (float targets that follow an output's size, an image-to-image model's): no task
+# accuracy to measure, only the metric
+UNSCORED_METRIC = (
+    "**the task metric not measured, and `max_metric_drop` not applied**: the held-out targets are per position at "
+    "the data's own sizes, which lie outside the validated sizes (the engines are built for those alone); add the "
+    "data's sizes to `signature.shapes` to measure it"
+)
 
 
 def _compared(v: ValidationResult) -> list[str]:
@@ -499,7 +506,8 @@ def _compared(v: ValidationResult) -> list[str]:
     shapes = "; ".join(_point(p) for p in b.shapes)
     logits = _measured_on_logits(v) if b.logits_output else _without_class_logits(b)
     if b.labelled_positions == 0:  # labels per position that fit no validated shape
-        logits = (f"top-1 agreement on '{b.logits_output}' (every position); " if b.logits_output else "") + UNSCORED
+        logits = f"top-1 agreement on '{b.logits_output}' (every position); {UNSCORED}" if b.logits_output else ""
+        logits = logits or UNSCORED_METRIC
     elif b.logits_output and b.labelled_positions is not None:  # a tag per token / a class per pixel
         logits += (
             f", counted over the {b.labelled_positions:,} labelled positions of the held-out samples (labels "
