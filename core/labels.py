@@ -355,8 +355,9 @@ def hits(logits: Any, y: Any) -> Any:
     """Labelled rows or positions whose argmax over the class axis is their label (a tensor, like ``labelled``); one
     whose logits hold a NaN is no hit, whatever the argmax makes of it (class 0)."""
     axis = class_axis(logits.ndim)
-    decided = (logits == logits).all(axis)  # NaN is not equal to itself
-    return ((logits.argmax(axis) == y) & (y != IGNORE_LABEL) & decided).sum()
+    best = logits.max(axis)  # NaN where the row holds one (numpy's and torch's max propagate it)
+    best = getattr(best, "values", best)  # torch's max over an axis gives (values, indices)
+    return ((logits.argmax(axis) == y) & (y != IGNORE_LABEL) & (best == best)).sum()  # NaN is not equal to itself
 
 
 def accuracy(logits: np.ndarray, labels: np.ndarray) -> float | None:

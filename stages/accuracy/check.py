@@ -1405,8 +1405,8 @@ def held_out_reference(
     point_labels = labels_at_points(labels, own, feeds, axes, follows)
     # the metric reads the outputs at the scored point: per-position targets follow the inputs there too
     if targets is not None and score is not None:
-        followed = labels_at_points(targets, own, [feeds[score]], axes, follows)[0]
-        targets = targets if followed is None else followed
+        at_score = labels_at_points(targets, own, [feeds[score]], axes, follows)[0]
+        targets = targets if at_score is None else at_score
     ref = Reference(
         run,
         feeds,
@@ -1899,14 +1899,10 @@ def _say_named_prediction(logits: str, data: DatasetSplits, output: np.ndarray |
     forecaster's mean beside its log_var: as many values per row as the targets) is the setting's use with a
     regression, and what the warning of a tuple output asks for: said as information. A named output of several
     columns per row that the targets do not match (a multi-task model's class logits beside its other heads, whose
-    data gives no num_classes) is most likely class logits left unscored: a warning, once per data and output."""
+    data gives no num_classes) is most likely class logits left unscored: a warning (said once a run: SaidOnce)."""
     y = data.val_y if data.val_y is not None else data.train_y
     per_row = int(np.prod(y.shape[1:])) if y is not None else None
     columns = output is not None and output.ndim == 2 and output.shape[1] > 1 and output.shape[1] != per_row
-    key = (id(data), logits)
-    if columns and key in _SAID_PREDICTION:
-        return
-    _SAID_PREDICTION.add(key)
     log.log(
         logging.WARNING if columns else logging.INFO,
         "output '%s', which signature.logits_output names, holds the prediction of float targets (a regression's, "
@@ -1915,9 +1911,6 @@ def _say_named_prediction(logits: str, data: DatasetSplits, output: np.ndarray |
         "num_classes in the data function (DatasetSplits(..., num_classes=K))",
         logits,
     )
-
-
-_SAID_PREDICTION: set[tuple[int, str]] = set()  # (data, output) named as a prediction and warned of
 
 
 def _say_no_object(logits: str, width: int, num_classes: int) -> None:
