@@ -376,7 +376,6 @@ def batch_parity(
         ) from None
     check, why = _parity_or_why(model, path, x, session, ref, refused)
     if check is not None and (parity_passes(check, atol, rtol) or rows(x) == rows(example)):
-        warn_empty_masks(model, session if session is not None else ort_session(path), x)
         return check
     traced, traced_why = (
         _parity_or_why(model, path, example, session, refused=refused) if rows(x) != rows(example) else (None, why)
@@ -406,7 +405,6 @@ def batch_parity(
         raise ModelError(
             failure, hint="the model may use an op ONNX Runtime runs differently from PyTorch; see the message above"
         )
-    warn_empty_masks(model, session if session is not None else ort_session(path), x)
     return check
 
 
@@ -426,10 +424,11 @@ def empty_mask_row(feed: Feed) -> tuple[Feed, list[str]]:
 
 def warn_empty_masks(model: nn.Module, session: Any, x: Inputs) -> None:
     """Warn where a row whose masks are all padding (:func:`empty_mask_row`) gets NaN or infinity from the exported
-    graph and finite outputs from PyTorch: attention over no key is finite in PyTorch's kernels and NaN in the
-    exported Softmax, so an engine answers an empty sequence with NaN, which no parity check on real rows shows. A
-    warning, not an error: such a request may never come. One forward of one row in each runtime; a model or graph
-    that refuses the row says nothing here."""
+    graph (its ONNX Runtime ``session``) and finite outputs from PyTorch: attention over no key is finite in
+    PyTorch's kernels and NaN in the exported Softmax, so an engine answers an empty sequence with NaN, which no
+    parity check on real rows shows. A warning, not an error: such a request may never come; asked once the graph's
+    parity is accepted (:func:`require_parity`), as a graph refused needs no further advice. One forward of one row in
+    each runtime; a model or graph that refuses the row says nothing here."""
     names = [i.name for i in session.get_inputs()]
     row, masks = empty_mask_row(as_feed(take(x, slice(0, 1)), names))
     if not masks:

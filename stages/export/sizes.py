@@ -25,7 +25,7 @@ from kiln.stages.export.parity import PARITY_ROWS, computes_untied, integers_ove
 from kiln.stages.export.pinned_sizes import BRANCH_FIX, FIXED_SIZE_HINT, pinned_at, size_branch
 from kiln.stages.export.quiet import quiet_torch
 from kiln.stages.export.torch_export import ExportFailed, export_with_fallback, fixed_places, traced_value
-from kiln.stages.export.torch_sizes import direct_point, one_name_hint, own_sizes, rows_source, torch_at
+from kiln.stages.export.torch_sizes import OwnRows, direct_point, one_name_hint, own_sizes, rows_source, torch_at
 
 log = logging.getLogger("kiln.export")
 
@@ -82,9 +82,10 @@ def check_sizes_of(
     )
     points = _sizes_to_check(model, x, feed, seen, axes, shapes, direct)
     passed: list[dict[str, int]] = []  # the sizes the graph computed the model at, for a fix that lists some
+    own_rows = OwnRows()
     for point, sized in points:
         at, inputs = ", ".join(f"{k}={v}" for k, v in point.items()), from_feed(sized, x)
-        ref = torch_at(model, inputs, point, [feed, *seen], axes, shapes, direct)
+        ref = torch_at(model, inputs, point, [feed, *seen], axes, shapes, direct, own_rows)
         by_value: list[str] = []
         indices: list[str] = []
         try:
@@ -310,8 +311,9 @@ def export_at_sizes(
         if axes:
             names = input_names(model, example)
             x, feed, seen = _parity_rows(data, names)
+            own_rows = OwnRows()
             for point, sized in _other_sizes(feed, seen, dict(axes), shapes):
-                torch_at(model, from_feed(sized, x), point, [feed, *seen], dict(axes), shapes)
+                torch_at(model, from_feed(sized, x), point, [feed, *seen], dict(axes), shapes, own_rows=own_rows)
         raise
 
 

@@ -42,7 +42,7 @@ from kiln.stages.export.model_checks import refuse_nothing_finite, warn_wide_inp
 from kiln.stages.export.onnx_file import refuse_other_output_names, refuse_outside_index, take_onnx
 from kiln.stages.export.other_axes import tie_other_axes
 from kiln.stages.export.output_axes import name_output_axes
-from kiln.stages.export.parity import PARITY_ROWS, batch_parity, exported_session, require_parity
+from kiln.stages.export.parity import PARITY_ROWS, batch_parity, exported_session, require_parity, warn_empty_masks
 from kiln.stages.export.size_steps import GraphAt, record_graph_steps, size_steps, steps_over
 from kiln.stages.export.sizes import check_sizes_of, check_validated_sizes, checked_spans, export_at_sizes
 from kiln.stages.export.torch_export import export_with_fallback, input_axes
@@ -133,6 +133,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     session = exported_session(path, dynamo)  # for the parity check and the output-axis probe
     check = batch_parity(model, path, example, x, cfg.parity_atol, session, cfg.parity_rtol, dynamo)
     require_parity(check, cfg.parity_atol, cfg.parity_rtol, f"{path.name}, on the data's first {check['samples']} rows")
+    warn_empty_masks(model, session, x)
     log.info(
         "exported %d nodes, opset %d, parity max abs err %.2e",
         len(proto.graph.node),
@@ -214,9 +215,8 @@ def export_direct(
     atol, rtol = cfg.export.parity_atol, cfg.export.parity_rtol
     session = exported_session(output, dynamo)
     # at another batch too: a graph that holds the traced one gets those rows right; a fixed batch at its own only
-    check = batch_parity(
-        model, output, example, x if cfg.export.dynamic_batch else example, atol, session, rtol, dynamo
-    )
+    checked = x if cfg.export.dynamic_batch else example
+    check = batch_parity(model, output, example, checked, atol, session, rtol, dynamo)
     random = (
         "random inputs can be far from what the model meets (masks, ids): give the config's data instead of "
         "--input-shape; "
@@ -225,6 +225,7 @@ def export_direct(
     )
     # held to the tolerance the pipeline holds it to
     require_parity(check, atol, rtol, f"{output.name}, on {example_source(specs)}", random)
+    warn_empty_masks(model, session, checked)
     steps: dict[str, list[int]] = {}
     names = [i.name for i in proto.graph.input]
     if cfg.signature.dynamic_axes:

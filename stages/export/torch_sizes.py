@@ -280,9 +280,11 @@ def torch_at(
     axes: Axes,
     listed: Mapping[str, list[int]],
     direct: bool = False,
+    own_rows: OwnRows | None = None,
 ) -> dict[str, np.ndarray]:
     """PyTorch's outputs at ``point`` (``feeds``: the data's, first the rows resized; ``listed``: the sizes
-    ``signature.shapes`` gives; ``direct``: ``kiln export -o``'s example, not data); an error naming the size and
+    ``signature.shapes`` gives; ``direct``: ``kiln export -o``'s example, not data; ``own_rows``: the size check's,
+    shared by its sizes, so each size does not run the model at the rows' own sizes again); an error naming the size and
     what to change where the model itself fails there (:func:`_fails_at`), or where an output of it holds no finite
     value there (:func:`_nothing_finite_error`; :func:`_padded_to_nothing` where Kiln's zero padding gives that), or
     where it folds the axis into the batch (:func:`_folded_rows`)."""
@@ -296,7 +298,7 @@ def torch_at(
         raise _padded_to_nothing(empty[0], point, own, direct)
     if empty:
         raise _nothing_finite_error(empty[0], point, own, listed, direct)
-    folded = _folded_rows(model, inputs, ref, point, feeds[0], axes)
+    folded = _folded_rows(model, inputs, ref, point, feeds[0], axes, own_rows or OwnRows())
     if folded is not None:
         raise folded
     return ref
@@ -314,25 +316,49 @@ def _rows_of_one(model: nn.Module, like: Inputs, row: Feed, axes: Axes, point: M
     return {k: v.shape[0] for k, v in out.items() if v.ndim}
 
 
+class OwnRows:
+    """The rows of each output of PyTorch's model at the rows' own sizes, on all the rows and on one sample: the
+    same at every size a check runs, so run once a check, and only where a size first needs them."""
+
+    def __init__(self) -> None:
+        self._rows: tuple[dict[str, int], dict[str, int]] | None = None
+
+    def of(self, model: nn.Module, like: Inputs, feed: Feed, axes: Axes) -> tuple[dict[str, int], dict[str, int]]:
+        """The rows of each output on ``feed`` and on its first sample, at their own sizes."""
+        if self._rows is None:
+            own, row = own_sizes(feed, axes), {k: v[:1] for k, v in feed.items()}
+            self._rows = _rows_of_one(model, like, feed, axes, own), _rows_of_one(model, like, row, axes, own)
+        return self._rows
+
+
 def _folded_rows(
-    model: nn.Module, like: Inputs, ref: Mapping[str, np.ndarray], point: Mapping[str, int], feed: Feed, axes: Axes
+    model: nn.Module,
+    like: Inputs,
+    ref: Mapping[str, np.ndarray],
+    point: Mapping[str, int],
+    feed: Feed,
+    axes: Axes,
+    own_rows: OwnRows,
 ) -> ModelError | None:
     """The error where an output of PyTorch's at ``point`` (``ref``, on the rows ``feed`` resized) has another
-    number of rows than the inputs have samples, while at the rows' own sizes it has one row a sample, on them and
-    on one sample alone: its axis 0 is the batch, and the model folds the varied axis into it (a pool sized to the
-    data's length, then ``view(-1, C)``), which every gate would pass, the graph computing the same wrong rows.
-    Outputs whose length the values decide (NMS) seldom keep one row a sample at two counts; None where none is."""
+    number of rows than the inputs have samples, and more than one for one sample there, while at the rows' own
+    sizes it has one row a sample, on them and on one sample alone (``own_rows``): its axis 0 is the batch, and the
+    model folds the varied axis into it (a pool sized to the data's length, then ``view(-1, C)``), which every gate
+    would pass, the graph computing the same wrong rows. Outputs whose length the values decide (NMS) seldom keep
+    one row a sample at two counts; None where none is. The one-sample run at ``point`` goes first: it alone clears
+    most such outputs."""
     samples = len(next(iter(feed.values()))) if feed else 0
     odd = [k for k, v in ref.items() if v.ndim and v.shape[0] != samples]
     if not odd:
         return None
-    own = own_sizes(feed, axes)
-    row = {k: v[:1] for k, v in feed.items()}
-    whole, one = _rows_of_one(model, like, feed, axes, own), _rows_of_one(model, like, row, axes, own)
-    at_point = _rows_of_one(model, like, row, axes, point)
+    at_point = _rows_of_one(model, like, {k: v[:1] for k, v in feed.items()}, axes, point)
+    odd = [k for k in odd if at_point.get(k, 1) > 1]
+    if not odd:
+        return None
+    whole, one = own_rows.of(model, like, feed, axes)
     for name in odd:
-        if whole.get(name) == samples and one.get(name) == 1 and at_point.get(name, 1) != 1:
-            return _folded_error(name, at_point[name], point, own)
+        if whole.get(name) == samples and one.get(name) == 1:
+            return _folded_error(name, at_point[name], point, own_sizes(feed, axes))
     return None
 
 

@@ -229,8 +229,9 @@ def run_fallback(
         verdict = check(result.path, precision, cfg)
         gap = metric_gap(check, precision, verdict.metrics)
         held = {"held": len(label.held)} if isinstance(label, Label) and label.held else {}
+        metric = {"metric_gap": gap._asdict()} if gap is not None else {}  # what the precision stage's advice reads
         result.rounds.append(
-            {"round": round_no, "kept": len(kept), **held, **verdict.metrics, "failures": verdict.failures}
+            {"round": round_no, "kept": len(kept), **held, **verdict.metrics, **metric, "failures": verdict.failures}
         )
         _log_round(label, round_no, cfg.max_rounds, kept, verdict, time.perf_counter() - start)
         better = best is None or improves(verdict.metrics, best[0].metrics, gap, best[3])

@@ -43,7 +43,7 @@ from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import PrecisionConfig
 from kiln.stages.precision.declaration import PrecisionSettings, PrecisionSummary
 from kiln.stages.precision.emulate import emulate_fp16
-from kiln.stages.precision.fallback import round_notes
+from kiln.stages.precision.fallback import MetricGap, round_notes
 from kiln.stages.precision.fp16_select import check_fp32_nodes
 from kiln.stages.precision.gate import GateCheck, session_runner
 from kiln.stages.precision.node_errors import (
@@ -448,12 +448,12 @@ def not_made(precision: str, entry: dict[str, Any]) -> str | None:
         return None
     if cpu is not None and own["passed"] != cpu["passed"]:
         if own["passed"]:  # the ORT CPU graph missed: ORT CPU engines run the Q/DQ graph, which passed
-            entry["ort_cpu_unmade"] = _why(precision + " (onnxruntime-cpu graph)", cpu, FAILED_GATES, precision)
+            entry["ort_cpu_unmade"] = _why(precision + " (onnxruntime-cpu graph)", cpu, precision, FAILED_GATES)
             entry.pop("backend_paths", None)
         else:
-            entry["unmade"] = _why(precision + " (Q/DQ graph)", own, FAILED_GATES, precision)
+            entry["unmade"] = _why(precision + " (Q/DQ graph)", own, precision, FAILED_GATES)
         return None
-    return None if own["passed"] else _why(precision, own, precision=precision)
+    return None if own["passed"] else _why(precision, own, precision)
 
 
 def mark_too_little(
@@ -610,15 +610,15 @@ DYNAMIC_HINT = (
 )
 
 
-def _why(label: str, fallback: dict[str, Any], outcome: str = "not made", precision: str | None = None) -> str:
+def _why(label: str, fallback: dict[str, Any], precision: str, outcome: str = "not made") -> str:
     """The fallback's failure in a line: ``label`` and its ``outcome``, the gates missed, the nodes tried, and why
     the search stopped early where it did (rounds that kept more nodes in float without a measured gain); where
-    the task metric's gate was missed, the setting that allows it (:func:`_metric_allowance`)."""
+    the task metric's gate was missed, the setting that allows it in ``precision`` (:func:`_metric_allowance`)."""
     tried = fallback.get("tried") or []
     nodes = f"tried keeping {len(tried)} nodes in float ({', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"
     stopped = [r["stopped"] for r in fallback.get("rounds") or [] if r.get("stopped")]
     failures = "; ".join(fallback.get("failures") or ["?"])
-    allowance = _metric_allowance(precision or label.split()[0], fallback)
+    allowance = _metric_allowance(precision, fallback)
     if "passed" in fallback and quantized_nothing(fallback):  # no graph of that precision to judge: no gate missed
         return f"{label} not made: {failures}"
     if fallback.get("not_searched"):  # checked once: no engine of the run reads it
@@ -636,30 +636,25 @@ def _why(label: str, fallback: dict[str, Any], outcome: str = "not made", precis
     )
 
 
-# a missed task-metric gate as accuracy_failures words it: "<metric> <value> vs <reference>: drop <d> > max_metric_drop"
-METRIC_MISS = re.compile(
-    r"(?P<name>\S+) \S+ vs \S+: (?P<said>relative rise|drop) (?P<drop>[0-9.eE+-]+) > max_metric_drop "
-)
-
-
 def _metric_allowance(precision: str, fallback: dict[str, Any]) -> str:
-    """Where the graph with every node in ``precision`` (round 0, else the last failures) missed the task metric's
-    gate, the setting that allows that measured drop: validate.gates.per_precision.<precision>.max_metric_drop,
-    in the metric's own units (a relative metric's: a share of the reference's value). The default per-precision
-    gates loosen the accuracy drop, not the metric's, so a drop too small to matter otherwise drops the variant
-    with no setting named. Empty where the metric's gate was not missed or its drop is not finite."""
+    """Where the graph with every node in ``precision`` (round 0) missed the task metric's gate by a measured amount
+    (its ``metric_gap``, a :class:`~kiln.stages.precision.fallback.MetricGap`'s fields), the setting that allows that
+    drop: validate.gates.per_precision.<precision>.max_metric_drop, in the metric's own units (a relative metric's:
+    a share of the reference's value). The default per-precision gates loosen the accuracy drop, not the metric's,
+    so a drop too small to matter otherwise drops the variant with no setting named. Empty where the metric's gate
+    was not missed or its drop is not finite."""
     rounds = fallback.get("rounds") or []
-    failures = (rounds[0].get("failures") if rounds else None) or fallback.get("failures") or []
-    misses = [m for m in map(METRIC_MISS.search, failures) if m is not None]
-    if not misses or not math.isfinite(drop := max(float(m["drop"]) for m in misses)):
+    record = rounds[0].get("metric_gap") if rounds else None
+    gap = MetricGap(**record) if record else None
+    if gap is None or not gap.missed:
         return ""
-    name, relative = misses[0]["name"], misses[0]["said"] != "drop"
-    units = "a share of the reference's value" if relative else f"in {name}'s own units"
-    others = len(misses) < len(failures)
+    relative = gap.said != "drop"
+    units = "a share of the reference's value" if relative else f"in {gap.name}'s own units"
+    others = len(rounds[0].get("failures") or []) > 1  # the metric's gate is one failure of round 0's
     allows = "would pass that gate, not the others it misses" if others else "allows it"
     return (
-        f"; {name}'s {misses[0]['said']} with every node in {precision} is {drop:.4g} ({units}): "
-        f"validate.gates.per_precision.{precision}.max_metric_drop: {_rounded_up(drop)} {allows}, if that "
+        f"; {gap.name}'s {gap.said} with every node in {precision} is {gap.drop:.4g} ({units}): "
+        f"validate.gates.per_precision.{precision}.max_metric_drop: {_rounded_up(gap.drop)} {allows}, if that "
         f"{'rise' if relative else 'drop'} is acceptable"
     )
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.stages.export.parity import batch_parity, empty_mask_row
+from kiln.stages.export import parity
+from kiln.stages.export.parity import batch_parity, empty_mask_row, exported_session, require_parity, warn_empty_masks
 from kiln.stages.export.torch_export import export_onnx
 
 
@@ -48,14 +49,28 @@ def test_an_all_padding_row_that_is_nan_in_the_graph_is_warned_of(
     model, x = Encoder(guard).eval(), _inputs()
     path = tmp_path / "m.onnx"
     export_onnx(model, {k: v[:2] for k, v in x.items()}, path)
+    session = exported_session(path)
     with caplog.at_level("WARNING", logger="kiln.export"):
-        batch_parity(model, path, {k: v[:2] for k, v in x.items()}, x, 1e-4, rtol=1e-4)
+        check = batch_parity(model, path, {k: v[:2] for k, v in x.items()}, x, 1e-4, session, 1e-4)
+        require_parity(check, 1e-4, 1e-4, "m.onnx")
+        warn_empty_masks(model, session, x)
     said = [r.getMessage() for r in caplog.records if "all padding" in r.getMessage()]
     if guard:
         assert said == []
     else:
         assert len(said) == 1 and "input 'padding_mask'" in said[0] and "output 'logits'" in said[0]
         assert "fix: guard the all-padding case in forward" in said[0]
+
+
+def test_the_parity_check_itself_runs_no_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe runs once the export accepts the check (require_parity), not within a check it may yet refuse."""
+    model, x = Encoder().eval(), _inputs()
+    path = tmp_path / "m.onnx"
+    export_onnx(model, {k: v[:2] for k, v in x.items()}, path)
+    probed: list[object] = []
+    monkeypatch.setattr(parity, "warn_empty_masks", lambda *args: probed.append(args))
+    batch_parity(model, path, {k: v[:2] for k, v in x.items()}, x, 1e-4, rtol=1e-4)
+    assert probed == []
 
 
 def test_the_empty_row_pads_every_mask_by_its_convention() -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from kiln.core.data import from_feed
 from kiln.core.errors import ModelError
 from kiln.core.shapes import resize
-from kiln.stages.export.torch_sizes import torch_at
+from kiln.stages.export.torch_sizes import OwnRows, torch_at
 
 
 class _PoolNet(nn.Module):
@@ -47,3 +47,27 @@ def test_a_model_folding_the_points_into_the_batch_is_refused() -> None:
 
 def test_a_model_pooling_the_whole_axis_passes() -> None:
     assert _at(_PoolNet(fixed=False), {"P": 32})["logits"].shape == (3, 2)
+
+
+class _Detector(nn.Module):
+    """A detector's output whose length the values decide: ``rows`` rows whatever the batch; counts its forwards."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows, self.calls = rows, 0
+
+    def forward(self, points: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return points.flatten(1)[:1, :2].repeat(self.rows, 1)
+
+
+@pytest.mark.parametrize(("rows", "forwards"), [(1, 2 * 2), (5, 2 * 2 + 2)])
+def test_the_rows_own_sizes_run_once_a_check_and_only_where_a_sample_gives_more_rows(rows: int, forwards: int) -> None:
+    """Each size runs the model on its rows and on one sample; the rows' own sizes (on them, on one sample) are run
+    once for the whole check, and only where one sample at a size gives more than one row."""
+    feed = {"points": np.random.default_rng(0).random((3, 3, 8), dtype=np.float32)}
+    axes, model, own_rows = {"points": {2: "P"}}, _Detector(rows).eval(), OwnRows()
+    for point in ({"P": 16}, {"P": 32}):
+        inputs = from_feed(resize(feed, axes, point), torch.from_numpy(feed["points"]))
+        torch_at(model, inputs, point, [feed, feed, feed], axes, {"P": [8, 32]}, own_rows=own_rows)
+    assert model.calls == forwards

@@ -78,7 +78,10 @@ def test_rounds_that_leave_the_metric_in_place_stop_the_search(
     said = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("int8 round 1 of at most 4: ") and "rel_l2" in m for m in said)
     record = {"passed": False, "failures": result.failures, "tried": result.tried, "rounds": result.rounds}
-    assert "keeping more nodes in float is not helping" in str(not_made("int8", {"fallback": record}))
+    why = str(not_made("int8", {"fallback": record}))
+    assert "keeping more nodes in float is not helping" in why
+    assert result.rounds[0]["metric_gap"]["name"] == "rel_l2"  # the round keeps the gap it measured...
+    assert "rel_l2's relative rise with every node in int8" in why and "int8.max_metric_drop: " in why  # ...read back
 
 
 def test_a_round_that_closes_the_metric_gap_improves() -> None:

@@ -9,7 +9,7 @@ from kiln.stages.precision.variants import QUANTIZED_NOTHING
 
 def test_a_graph_that_quantized_nothing_is_not_said_to_miss_its_gates() -> None:
     record = {"passed": False, "failures": [f"{QUANTIZED_NOTHING} to int8"], "tried": [], "rounds": []}
-    said = _why("int8 (Q/DQ graph)", record)
+    said = _why("int8 (Q/DQ graph)", record, "int8")
     assert said == f"int8 (Q/DQ graph) not made: {QUANTIZED_NOTHING} to int8", said
-    missed = _why("int8", {"passed": False, "failures": ["cosine 0.9 < 0.99"], "tried": [], "rounds": []})
+    missed = _why("int8", {"passed": False, "failures": ["cosine 0.9 < 0.99"], "tried": [], "rounds": []}, "int8")
     assert "no fallback round passed the gates" in missed
