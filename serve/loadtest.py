@@ -406,6 +406,43 @@ def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = PO
     return pool, f"RANDOM ({size} samples; {why})"
 
 
+def request_shapes(pool: list[dict]) -> dict[str, list[list[int]]]:
+    """The shapes each input had in the requests sent (each distinct one once, in the pool's order): what a
+    throughput figure was measured at, a dynamic axis's size (a point count, a sequence length) included."""
+    shapes: dict[str, list[list[int]]] = {}
+    for feed in pool:
+        for name, array in feed.items():
+            seen = shapes.setdefault(name, [])
+            if list(array.shape) not in seen:
+                seen.append(list(array.shape))
+    return shapes
+
+
+def dynamic_sizes(meta: EngineMetadata, pool: list[dict]) -> dict[str, list[int]]:
+    """The sizes the requests sent gave each named axis of the engine's inputs past the batch axis (``N``: the
+    points of a cloud), smallest first; axes of no request are left out."""
+    sizes: dict[str, set[int]] = {}
+    for spec in meta.inputs:
+        for feed in pool:
+            array = feed.get(spec.name)
+            for axis, dim in list(enumerate(spec.shape))[1:]:
+                if isinstance(dim, str) and array is not None and axis < array.ndim:
+                    sizes.setdefault(dim, set()).add(int(array.shape[axis]))
+    return {name: sorted(found) for name, found in sizes.items()}
+
+
+def shapes_said(result: dict[str, Any]) -> str:
+    """The report's line on what each request carried (:func:`request_shapes`, :func:`dynamic_sizes`); empty for a
+    result written before it was recorded."""
+    shapes = result.get("request_shapes")
+    if not shapes:
+        return ""
+    each = "; ".join(f"{name}: {', '.join(map(str, found))}" for name, found in shapes.items())
+    dynamic = result.get("dynamic_sizes") or {}
+    axes = ", ".join(f"{name} = {' or '.join(map(str, found))}" for name, found in dynamic.items())
+    return f"Each request's inputs: {each}" + (f" (dynamic axes: {axes})." if axes else ".")
+
+
 def fit(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
     """``array`` as the engine's input ``spec`` takes it (its dtype), or a ConfigError saying why it cannot be."""
     want = [d if isinstance(d, int) and d > 0 else None for d in spec.shape]
@@ -1430,6 +1467,8 @@ def loadtest(
         "engine": engine.meta.name,
         "precision": engine.meta.precision,
         "inputs": source,
+        "request_shapes": request_shapes(pool),
+        "dynamic_sizes": dynamic_sizes(engine.meta, pool),
         "tolerance": {
             "atol": tolerance[0],
             "rtol": tolerance[1],
@@ -1534,6 +1573,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         + (f" from {result['client_processes']} client processes" if result.get("client_processes", 1) > 1 else "")
         + (", tensors in system shared memory" if result.get("transport") == "system shared memory" else "")
         + (", sent by Kiln's HTTP client." if result.get("client") == "kiln" else ", sent by tritonclient."),
+        *([shapes_said(result)] if result.get("request_shapes") else []),
         "",
         "| concurrency | requests | throughput (req/s) | p50 ms | p90 ms | p99 ms | in-process ms (batch) "
         "| in-process req/s | served / in-process | wrong | failed | slow in worst tenth |",

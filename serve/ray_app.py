@@ -329,6 +329,7 @@ class KilnEngine:
         self.runner = load_engine(folder, serving=True).activate()
         self.model_name = model_name
         self.max_rows = served_max_batch(self.meta, max_batch_size)
+        say_capped(model_name, max_batch_size, self.max_rows)
         self.failure: str | None = None
         self.answered: dict[str, np.ndarray] | None = None
         self.infer_batch.set_max_batch_size(max(1, self.max_rows))
@@ -477,6 +478,20 @@ def engine_folder(engine_dir: str) -> Path:
             "the package (local:///shared/path/package)",
         )
     return folder
+
+
+def say_capped(model_name: str, asked: int, served: int) -> None:
+    """Warn where ``max_batch_size`` asks for more rows than the engine was validated for: batches stop at the
+    largest validated one (:func:`served_max_batch`), as in ``kiln serve``, and a given option is not overridden
+    without a word."""
+    if 0 < served < asked:
+        log.warning(
+            "model %s: max_batch_size %d capped to %d, the largest batch its engine was validated at; to serve "
+            "larger batches, add the size to signature.batch_sizes, validate and package again",
+            model_name,
+            asked,
+            served,
+        )
 
 
 def _zeros(meta: EngineMetadata) -> dict[str, np.ndarray]:

@@ -90,6 +90,8 @@ STOP_DEADLINE_S = 7.0
 STARTUP_TIMEOUT_S = 120.0
 # AF_UNIX socket paths hold at most 107 bytes on Linux (sun_path is 108 with its NUL)
 MAX_SOCKET_PATH = 107
+# The name Triton's config gives an input axis the engine fixes (:func:`any_fixed_size`): any size, checked by Kiln
+FREE_AXIS = "checked_by_kiln"
 # Where the server's sockets go when the scratch folder's path is too long for them (a deep TMPDIR)
 SHORT_SOCKET_ROOT = Path("/tmp")
 
@@ -1670,8 +1672,25 @@ def write_repository(
             hint="serve a CUDA engine folder with --gpus, or serve these without it",
         )
     for s in served:
-        write_python_model(repository / s.model_name, s.engine_dir, s.meta, max_batch, gpus, instances, queue_delay_us)
+        meta = any_fixed_size(s.meta)
+        write_python_model(repository / s.model_name, s.engine_dir, meta, max_batch, gpus, instances, queue_delay_us)
     return [s.model_name for s in served]
+
+
+def any_fixed_size(meta: EngineMetadata) -> EngineMetadata:
+    """``meta`` as Triton is told it: each input's fixed sizes past its first axis declared as any size (dims -1).
+    Triton would refuse a request of the engine's rank with another size there in its own words (``unexpected
+    shape``) before the model sees it; declared free, the request reaches the engine's own check
+    (:meth:`EngineMetadata.refusal`, a shape comparison every request gets anyway), whose refusal names the axis
+    and, where only the order of the axes differs (``[B, 3, N]`` given for ``[B, N, 3]``), the transpose that fixes
+    it, as ``kiln infer`` does. The engine folder keeps its own ``kiln-engine.json``: only the config differs."""
+    inputs = [
+        s.model_copy(update={"shape": [s.shape[0], *(FREE_AXIS if isinstance(d, int) else d for d in s.shape[1:])]})
+        if s.shape
+        else s
+        for s in meta.inputs
+    ]
+    return meta.model_copy(update={"inputs": inputs})
 
 
 def serve_python_backend(
