@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 import numpy as np
 
 from kiln.core.errors import ConfigError
-from kiln.core.inputs import batch_of_one_hint
+from kiln.core.inputs import batch_of_one_hint, float_ranges
 from kiln.core.labels import IGNORE_LABEL
 from kiln.core.records import IntRange, TensorSpec, trailing_axes
 
@@ -880,6 +880,21 @@ def integer_ranges(
     for name, low in lows.items():
         pairs = [[int(lo), int(hi)] for lo, hi in zip(low, highs[name])]
         out[name] = pairs if len({tuple(p) for p in pairs}) > 1 else [int(low.min()), int(highs[name].max())]
+    return out
+
+
+def value_ranges(data: DatasetSplits, names: list[str]) -> dict[str, list[float]]:
+    """Input name -> [smallest, largest] finite value in the data, for each float input (:func:`float_ranges` over
+    the training and validation splits): recorded in each engine's ``kiln-engine.json`` so that ``kiln validate
+    ENGINE`` without ``--inputs`` draws its random values where the engine was calibrated (images in [0, 1]), not
+    from N(0, 1)."""
+    out: dict[str, list[float]] = {}
+    for x in (data.train_x, data.val_x):
+        if not rows(x):
+            continue
+        for name, (low, high) in float_ranges(feed_for_graph(x, names)).items():
+            old_low, old_high = out.get(name, (low, high))
+            out[name] = [min(low, old_low), max(high, old_high)]
     return out
 
 

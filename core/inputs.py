@@ -206,6 +206,7 @@ def random_inputs(
     seed: int = 0,
     hint: str = "pass concrete input arrays",
     int_ranges: Mapping[str, IntRange] | None = None,
+    float_ranges: Mapping[str, Sequence[float]] | None = None,
 ) -> dict[str, np.ndarray]:
     """One array per input: ``batch`` on a symbolic first (batch) axis, ``dynamic`` on any other symbolic axis (one
     size for all, or per input and axis; ``None`` or an axis it lacks: an error naming ``hint``); integers in an
@@ -215,8 +216,10 @@ def random_inputs(
     tells), over 0..255, since at 0 and 1 alone an image is black and its outputs barely vary between samples;
     other integers in [0, ``int_high``] (1 by default, so any embedding accepts them as ids, uint8 ones too where
     nothing says they index none); booleans at random, each row of their last axis holding both values
-    (:func:`booleans`); floats standard normal, but whole numbers in the range ``int_ranges`` gives a float input
-    (one the graph casts to an index: :func:`kiln.core.onnx_io.index_ranges`). A fixed axis keeps its size."""
+    (:func:`booleans`); floats uniform in their own ``[low, high]`` of ``float_ranges`` (the values the data held:
+    an engine calibrated on images in [0, 1] is judged there, not on N(0, 1) values it never saw), else standard
+    normal, but whole numbers in the range ``int_ranges`` gives a float input (one the graph casts to an index:
+    :func:`kiln.core.onnx_io.index_ranges`). A fixed axis keeps its size."""
     check_batch_fits(specs, batch, hint=f"{BATCH_HINT}, or {hint}")
     rng = np.random.default_rng(seed)
     feed: dict[str, np.ndarray] = {}
@@ -231,9 +234,25 @@ def random_inputs(
             feed[spec.name] = integers(rng, bounds, shape).astype(dtype)
         elif spec.name in (int_ranges or {}):  # a float the graph casts to an index (a diffusion timestep)
             feed[spec.name] = integers(rng, int_ranges[spec.name], shape).astype(dtype)
+        elif spec.name in (float_ranges or {}):
+            low, high = float_ranges[spec.name]
+            feed[spec.name] = rng.uniform(low, high, shape).astype(dtype)
         else:
             feed[spec.name] = rng.standard_normal(shape).astype(dtype)
     return feed
+
+
+def float_ranges(feed: Mapping[str, np.ndarray]) -> dict[str, list[float]]:
+    """Input name -> [smallest, largest] finite value, for each float input of ``feed`` (the data an engine is
+    calibrated and validated on): what ``kiln-engine.json`` records as ``value_ranges``, so that random inputs are
+    drawn within it (:func:`random_inputs`). Inputs without a finite value are left out."""
+    out = {}
+    for name, values in feed.items():
+        values = np.asarray(values)
+        finite = values[np.isfinite(values)] if values.dtype.kind == "f" else values[:0]
+        if finite.size:
+            out[name] = [float(finite.min()), float(finite.max())]
+    return out
 
 
 def booleans(rng: np.random.Generator, shape: list[int]) -> np.ndarray:

@@ -16,10 +16,10 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat, ValidationError
 
 from kiln.core.artifacts import write_text_atomic
 from kiln.core.errors import InputFileError
@@ -34,6 +34,17 @@ R = TypeVar("R", bound="Record")
 # in one input, each column indexing a table of its own size), or one per cell of its last fixed axes, flattened
 # (DLRM's multi-hot ids [batch, 4, 3], 4 tables of 3 ids each: cell t * 3 + j is table t's; cell_axes)
 IntRange = list[int] | list[list[int]]
+
+
+def _ordered(pair: list[float]) -> list[float]:
+    """A value range whose smallest value is not past its largest (a hand-edited record's swapped pair refused)."""
+    if pair[0] > pair[1]:
+        raise ValueError(f"smallest value {pair[0]} is above largest {pair[1]}")
+    return pair
+
+
+# [smallest, largest] finite value of a float input
+ValueRange = Annotated[list[FiniteFloat], Field(min_length=2, max_length=2), AfterValidator(_ordered)]
 
 
 class Record(BaseModel):
@@ -199,6 +210,11 @@ class EngineMetadata(Record):
     # integer input -> the smallest value it may hold, where the axis it indexes has no size in the graph (a graph
     # neural network's nodes: the call's data sets the end) and so no index_ranges (kiln.core.onnx_io.index_floors)
     index_floors: dict[str, int] = Field(default_factory=dict)
+    # float input -> [smallest, largest] value the data it was calibrated and validated on held (an image's pixels
+    # in [0, 1]; kiln.core.inputs.float_ranges): `kiln validate ENGINE` without --inputs draws its random values
+    # there, not from N(0, 1), far outside what an INT8 engine was calibrated for; empty: none recorded (an engine
+    # built from an ONNX file, or by a Kiln that recorded none)
+    value_ranges: dict[str, ValueRange] = Field(default_factory=dict)
     # how long the build took: in the build's summary, not written to kiln-engine.json, so that an identical rebuild
     # writes identical files and what follows it (validate, package) stays cached
     build_seconds: float = Field(0.0, exclude=True)
@@ -618,6 +634,7 @@ class Variants(Record):
     variants: dict[str, PrecisionVariant]
     axis_sizes: dict[str, list[int]] = Field(default_factory=dict)  # dynamic axis besides batch -> sizes in the data
     int_ranges: dict[str, IntRange] = Field(default_factory=dict)  # integer input -> its values in the data
+    value_ranges: dict[str, ValueRange] = Field(default_factory=dict)  # float input -> its values in the data
 
 
 # ------------------------------------------------------------------------------------------------------ validation

@@ -75,15 +75,17 @@ def build_engine(
     int_ranges: dict[str, IntRange] | None = None,
     axis_steps: dict[str, list[int]] | None = None,
     inputs_hash: str | None = None,
+    value_ranges: dict[str, list[float]] | None = None,
 ) -> EngineMetadata:
     """Build one engine into ``out_dir`` (replaced atomically) and return its metadata (``kiln-engine.json``).
 
     ``max_batch`` bounds default optimization profiles (dynamic batch 1..max_batch) and the autotuned batch sizes;
     ``calibration``: the precision stage's calibration batches, for backends that calibrate the model themselves;
     ``int_ranges``: each integer input's values in the data (an index the data holds below 0 is one the model
-    takes: PyTorch's ``table[i]`` counts it from the end, as ONNX's ``Gather`` does); ``axis_steps``: dynamic axis ->
-    [step, offset] where the model takes only sizes ``offset + k * step`` (the export found them; a torch engine's
-    own capture may find them too); ``inputs_hash``: the hash of everything the engine is built from
+    takes: PyTorch's ``table[i]`` counts it from the end, as ONNX's ``Gather`` does); ``value_ranges``: each float
+    input's [smallest, largest] value in the data, recorded for random inputs drawn later; ``axis_steps``: dynamic
+    axis -> [step, offset] where the model takes only sizes ``offset + k * step`` (the export found them; a torch
+    engine's own capture may find them too); ``inputs_hash``: the hash of everything the engine is built from
     (:func:`kiln.stages.engines.reuse.inputs_key`), recorded as its ``settings_hash`` so that a rerun of the build
     stage can keep it; None: the hash of the build's own arguments.
     """
@@ -143,6 +145,7 @@ def build_engine(
             or {k: v for k, v in (axis_steps or {}).items() if k in named},
             index_ranges=_index_ranges(graph, taken, int_ranges or {}),
             index_floors=_index_floors(graph, taken, int_ranges or {}),
+            value_ranges={s.name: value_ranges[s.name] for s in taken if s.name in (value_ranges or {})},
             builder_settings=built.builder_settings,
             backend_info=built.info.model_dump(mode="json"),
             build_seconds=round(time.perf_counter() - t0, 3),
@@ -364,7 +367,13 @@ def _build_all(ctx: StageContext[BuildSettings]) -> BuildSummary:
     # The trained model, for backends that compile PyTorch itself (torch): loaded only if one asks.
     torch_model = (lambda: load_trained(ctx.inputs["train"], ctx.config.model)) if "train" in ctx.inputs else None
     steps = read_axis_steps(ctx.inputs["export"]) if "export" in ctx.inputs else {}
-    shapes = {"max_batch": max_batch, "axis_sizes": sizes, "int_ranges": record.int_ranges, "axis_steps": steps}
+    shapes = {
+        "max_batch": max_batch,
+        "axis_sizes": sizes,
+        "int_ranges": record.int_ranges,
+        "value_ranges": record.value_ranges,
+        "axis_steps": steps,
+    }
     previous = PreviousBuild(ctx.workdir / ctx.name, ctx.key_parts, ctx.log, ctx.forced)  # unchanged engines: kept
     engines: list[EngineEntry] = []
     skipped: list[str] = []
@@ -412,6 +421,7 @@ def _build_all(ctx: StageContext[BuildSettings]) -> BuildSummary:
                         record.int_ranges,
                         steps,
                         key,
+                        value_ranges=record.value_ranges,
                     )
                 except BuildError as exc:
                     if not backend.optional(settings) and not isinstance(exc, MislabelledEngine):
@@ -575,13 +585,19 @@ def _build_with_fallback(
     int_ranges: dict[str, IntRange] | None = None,
     axis_steps: dict[str, list[int]] | None = None,
     inputs_hash: str | None = None,
+    value_ranges: dict[str, list[float]] | None = None,
 ) -> EngineMetadata:
     """Build from ``src``; an engine converted at build time (``keep`` given) that the backend's converter cannot
     convert is built from the precision stage's own graph instead, which passed the ONNX checker (ORT's FP16
     converter fails on control flow and sequences, e.g. an nn.EmbeddingBag)."""
     calibration = root / FEEDS_FILE  # saved by the precision stage where a backend calibrates the model itself
     shared = dict(
-        max_batch=max_batch, axis_sizes=sizes, int_ranges=int_ranges, axis_steps=axis_steps, inputs_hash=inputs_hash
+        max_batch=max_batch,
+        axis_sizes=sizes,
+        int_ranges=int_ranges,
+        axis_steps=axis_steps,
+        inputs_hash=inputs_hash,
+        value_ranges=value_ranges,
     )
 
     def build(graph: str, **extra: Any) -> EngineMetadata:

@@ -26,7 +26,7 @@ from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.calibration.feeds import save_feeds
 from kiln.calibration.quantize import DYNAMIC_RECURRENT, check_exclusions, quantizable_op_types
 from kiln.core.cpu_int8 import slow_integer_convs
-from kiln.core.data import DatasetSplits, feed_for_graph, fixed_columns, integer_ranges, rows, take
+from kiln.core.data import DatasetSplits, feed_for_graph, fixed_columns, integer_ranges, rows, take, value_ranges
 from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
 from kiln.core.output_names import class_logits
@@ -164,6 +164,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
         variants={name: variant_record(entry) for name, entry in variants.items()},
         axis_sizes=sizes,
         int_ranges=integer_ranges(data, names, fixed_columns(inputs, index_ranges(graph))),
+        value_ranges=value_ranges(data, names),
     ).write(ctx.out / "variants.json")
     summary = {
         v: {

@@ -19,7 +19,7 @@ from kiln.core.labels import padding_ties, without_padding
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session, refuse_random_graph
 from kiln.core.output_names import SINGLE_OUTPUT, logits_name
 from kiln.core.random_ops import RANDOM_HINT
-from kiln.core.records import EngineMetadata, EngineValidation, Percentiles, steps_text, takes_size
+from kiln.core.records import EngineMetadata, EngineValidation, Percentiles, steps_text, takes_size, whole_range
 from kiln.core.sample_counts import FEW_ROWS
 from kiln.core.shapes import axis_names, graph_axes, refuse_unknown_axes, resize, shape_points
 from kiln.core.signature import BATCH_AXIS
@@ -229,6 +229,7 @@ def _checks(meta: EngineMetadata, inputs: Path | None, cfg: ValidateSettings) ->
         _warn_few_rows(inputs, data)
         axes = graph_axes(meta.inputs)
         return [(resize(data, axes, p, repeat_floats=True) if p else data, b) for p in points for b in batches]
+    _say_random_values(meta)
     recorded: dict[str, dict[int, int]] | None = None
     out: list[tuple[Feed, int | None]] = []
     limit = meta.max_batch()  # a batch size not set: the largest the engine takes (validated, or its profile's)
@@ -240,10 +241,36 @@ def _checks(meta: EngineMetadata, inputs: Path | None, cfg: ValidateSettings) ->
         for b in batches:
             rows = b or most
             feed = random_inputs(
-                meta.inputs, batch=rows, dynamic=dynamic, hint=RANDOM_FIX, int_ranges=meta.index_ranges
+                meta.inputs,
+                batch=rows,
+                dynamic=dynamic,
+                hint=RANDOM_FIX,
+                int_ranges=meta.index_ranges,
+                float_ranges=meta.value_ranges,
             )
             out.append((feed, b))
     return out
+
+
+def _say_random_values(meta: EngineMetadata) -> None:
+    """Warn which values the random inputs hold: those in a range the engine's record gives (``value_ranges`` for
+    floats, ``index_ranges`` for ids) are drawn within it, said with it; float inputs with none are drawn from
+    N(0, 1), far from what an engine calibrated on other values (images in [0, 1]) was made for: it may fail there
+    while fine on its real inputs, or pass on values that mean nothing, so real samples (``--inputs``) are the fix."""
+    recorded = {**meta.value_ranges, **{k: whole_range(v) for k, v in meta.index_ranges.items()}}  # as drawn
+    ranged = {s.name: recorded[s.name] for s in meta.inputs if s.name in recorded}
+    normal = [s.name for s in meta.inputs if s.name not in ranged and np.dtype(s.dtype).kind == "f"]
+    if ranged:
+        said = ", ".join(f"{name} [{low:g}, {high:g}]" for name, (low, high) in ranged.items())
+        log.warning("random inputs drawn in each input's recorded range: %s", said)
+    if normal:
+        log.warning(
+            "random inputs drawn from N(0, 1) for %s: engine %s records no value range for them, and an engine "
+            "calibrated on other values (images in [0, 1]) may fail on N(0, 1) while fine on real data, or pass on "
+            "values that mean nothing. Give --inputs FILE.npz with real samples",
+            ", ".join(f"'{name}'" for name in normal),
+            meta.name,
+        )
 
 
 def _warn_few_rows(inputs: Path, feed: Feed) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kiln.core.cpu_int8 import int8_kernels
+from kiln.core.records import EngineMetadata, Variants
 from kiln.pipeline.api import run_pipeline
 from kiln.pipeline.config import config_from_dict
 from kiln.pipeline.report import render_markdown
@@ -47,6 +48,16 @@ def test_a_first_run_passes_and_a_rerun_is_cached(first_run: tuple[Path, Any, di
     assert "(≥ 0.9999)" in md and "(≥ 0.99)" in md  # each gate beside its value
     assert "`package/engines/onnxruntime-cpu-fp32/`" in md and "`package/triton/tiny_onnxruntime_cpu_fp32/`" in md
     assert f"ONNX Runtime CPU INT8 kernels: {int8_kernels()}" in md  # what the CPU INT8 latencies ran
+
+
+def test_each_engine_records_its_float_inputs_range_in_the_data(first_run: tuple[Path, Any, dict[str, Any]]) -> None:
+    """The range ``kiln validate ENGINE`` without ``--inputs`` draws random values in: the data's, not N(0, 1)."""
+    workdir, _, _ = first_run
+    recorded = Variants.read(workdir / "precision" / "variants.json", "").value_ranges
+    ((name, (low, high)),) = recorded.items()
+    assert low < high
+    for path in (workdir / "package" / "engines").glob("*/kiln-engine.json"):
+        assert EngineMetadata.read(path, "").value_ranges == {name: [low, high]}
 
 
 def test_a_cached_rerun_loads_no_torch_onnx_or_onnx_runtime(
