@@ -306,7 +306,7 @@ def load_config(
     data: dict[str, Any] = {}
     source = "(built-in demo)"
     if path is None:
-        data = yaml.safe_load(DEMO_CONFIG.read_text())
+        data = _demo(overrides or {})
     else:
         data, source = _read(Path(path)), str(path)
     said = {k: _words(k, v, given) for k, v in (overrides or {}).items()}
@@ -318,6 +318,20 @@ def load_config(
     set_by = "--set" if given is not None else "an override"
     _check_config(config, Path(path).parent if path else Path(), overrides or {}, rule, set_by)
     return config
+
+
+def _demo(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The built-in demo's config; without its model and dataset where ``overrides`` give an ONNX file as the model
+    (and name neither): the demo's 8x8 digits and CNN are the demo's, and a user who brings their own graph gets
+    what a config of only ``model.onnx`` gets (random inputs, said loudly by the stages), not errors asking them to
+    change data they never gave."""
+    data = yaml.safe_load(DEMO_CONFIG.read_text())
+    if "model.onnx" in overrides:
+        if "model.name" not in overrides:
+            del data["model"]["name"]
+        if not any(k == "data" or k.startswith("data.") for k in overrides):
+            del data["data"]
+    return data
 
 
 def _words(key: str, value: Any, given: dict[str, str] | None) -> str:

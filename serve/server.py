@@ -1683,7 +1683,8 @@ def any_fixed_size(meta: EngineMetadata) -> EngineMetadata:
     shape``) before the model sees it; declared free, the request reaches the engine's own check
     (:meth:`EngineMetadata.refusal`, a shape comparison every request gets anyway), whose refusal names the axis
     and, where only the order of the axes differs (``[B, 3, N]`` given for ``[B, N, 3]``), the transpose that fixes
-    it, as ``kiln infer`` does. The engine folder keeps its own ``kiln-engine.json``: only the config differs."""
+    it, as the engine's own ``infer`` does. The engine folder keeps its own ``kiln-engine.json``: only the config
+    differs."""
     inputs = [
         s.model_copy(update={"shape": [s.shape[0], *(FREE_AXIS if isinstance(d, int) else d for d in s.shape[1:])]})
         if s.shape

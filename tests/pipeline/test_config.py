@@ -278,3 +278,15 @@ def test_a_key_in_both_places_is_one_clean_line(tmp_path: Path) -> None:
         f"invalid config {p}: export.dynamic_axes and signature.dynamic_axes are both given: keep one "
         "(signature.dynamic_axes)"
     )
+
+
+def test_the_demo_with_an_onnx_file_drops_the_demos_model_and_data(tmp_path: Path) -> None:
+    """`kiln run --set model.onnx=X` (no config) runs X on random inputs, as a config of only model.onnx does: the
+    demo's digits would not fit another graph's inputs, and its fixes would ask for data the user never gave."""
+    graph = tmp_path / "m.onnx"
+    graph.write_bytes(b"")  # the path is what the config checks here; the graph is read by the stages
+    cfg = load_config(None, {"model.onnx": str(graph)})
+    assert cfg.data.name is None and "name" not in cfg.model.model_fields_set
+    kept = load_config(None, {"model.onnx": str(graph), "data.name": "digits", "model.name": "cnn"})
+    assert kept.data.name == "digits" and kept.model.name == "cnn"
+    assert load_config(None).data.name == "digits"  # the demo alone keeps its own
