@@ -507,8 +507,7 @@ def save_onnx(model: onnx.ModelProto, path: Path, external: bool = False) -> Non
                 "files it did not write",
                 hint="move that file, or write the model elsewhere (-o)",
             )
-    if needs_data:
-        _mark_external(model, data.name)
+    if needs_data and _mark_external(model, data.name):  # none marked (every tensor small): no data file at all
         # created as open() creates files (0666 less the umask), not as onnx's writer does (0600): a server running
         # as another user reads the weights as it reads the graph
         os.close(os.open(data, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
@@ -533,14 +532,17 @@ def set_metadata(path: Path, key: str, value: str) -> None:
     os.replace(staged, path)  # whole or not at all: a reader never sees a half-written graph
 
 
-def _mark_external(model: onnx.ModelProto, location: str, threshold: int = 1024) -> None:
+def _mark_external(model: onnx.ModelProto, location: str, threshold: int = 1024) -> int:
     """Mark every initializer of ``threshold`` bytes or more as stored in ``location``, which
-    :func:`onnx.save_model` then writes beside the model. onnx's own ``save_as_external_data`` refuses a location
-    that exists relative to the current folder rather than the model's, so a ``model.onnx.data`` where the user
-    stands would stop a save into another folder."""
+    :func:`onnx.save_model` then writes beside the model, and return how many were marked. onnx's own
+    ``save_as_external_data`` refuses a location that exists relative to the current folder rather than the
+    model's, so a ``model.onnx.data`` where the user stands would stop a save into another folder."""
+    marked = 0
     for tensor in (t for g in _graphs(model.graph) for t in g.initializer):
         if tensor.HasField("raw_data") and len(tensor.raw_data) >= threshold:
             onnx.external_data_helper.set_external_data(tensor, location)
+            marked += 1
+    return marked
 
 
 def _references(path: Path, location: str) -> bool:

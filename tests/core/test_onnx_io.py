@@ -37,6 +37,23 @@ def test_a_models_own_data_file_is_replaced_with_it(tmp_path: Path) -> None:
     assert not (tmp_path / "m.onnx.data").exists()
 
 
+def test_external_weights_asked_for_a_model_of_small_tensors_leave_no_empty_data_file(tmp_path: Path) -> None:
+    """Every tensor under the external threshold stays inline: no ``.data`` file of 0 bytes beside the model."""
+    small = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Add", ["x", "b"], ["y"])],
+            "g",
+            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])],
+            [numpy_helper.from_array(np.ones(4, np.float32), "b")],
+        )
+    )
+    path = tmp_path / "m.onnx"
+    save_onnx(small, path, external=True)
+    assert not (tmp_path / "m.onnx.data").exists()
+    assert float(numpy_helper.to_array(load_onnx(path).graph.initializer[0]).max()) == 1.0
+
+
 def test_a_data_file_someone_else_owns_is_never_touched(tmp_path: Path) -> None:
     path, data = tmp_path / "m.onnx", tmp_path / "m.onnx.data"
     data.write_bytes(b"the user's own file")
