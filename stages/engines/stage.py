@@ -689,12 +689,38 @@ def build_direct(
     except UnsizedLabel:
         raise  # its fix sizes the nodes that put the label in doubt
     except MislabelledEngine as exc:
+        if _relabel_here(exc, given or made_as, precision, device):  # no one labelled it: the engine's compute does
+            log.warning(
+                "%s is an %s graph; the %s backend computes it in fp32 on %s (no %s kernels there): labelled fp32 "
+                "(--device with %s kernels for an %s engine)",
+                Path(src).name,
+                precision,
+                backend,
+                device.upper(),
+                precision,
+                precision,
+                precision,
+            )
+            return build_direct(src, out, backend, device, "fp32", cfg, axis_sizes, max_batch)
         # the graph is in that precision (a variant folder or the audit labels it; a label the user gave that the
         # graph's own audit agrees with): the runtime, not the label, computes it in another one
         in_precision = not given or audit_graph(src).label() == given
         exc.hint = direct_fix(exc, backend, device, precision, in_precision, bool(made_as and not given))
         raise
     return record_checked(out, meta, ranges)
+
+
+def _relabel_here(exc: MislabelledEngine, labelled: str | None, precision: str, device: str) -> bool:
+    """Whether ``kiln build`` relabels an engine its audit refused (``exc``) as fp32: no one gave its label (no
+    ``--precision``, no variant folder: the graph's audit chose ``precision``), and the device has no kernels for
+    that precision, so the engine computes in fp32 (:func:`lacks_kernels`): its label is then what it computes in,
+    not an error for a choice the user never made."""
+    return (
+        not labelled
+        and not isinstance(exc, (LowGraph, UnsizedLabel))
+        and lacks_kernels(precision, device)
+        and _computes_in(exc.audit) == "fp32"
+    )
 
 
 def direct_fix(

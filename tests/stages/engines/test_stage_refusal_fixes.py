@@ -79,13 +79,20 @@ def test_a_run_s_fp32_engine_of_a_quantized_graph_is_not_told_of_missing_fp32_ke
     assert warned and fix.startswith("the model's graph is already int8 (from the model's fake-quant)")
 
 
-def test_an_unlabelled_fp16_graph_on_the_cpu_is_told_of_the_cpu(tmp_path: Path) -> None:
-    """`kiln build fp16.onnx` with no --precision: the audit labels it fp16 and the CPU provider computes it in FP32;
-    the fix is --precision fp32 or a CUDA device (it said "--precision matching the graph (or none)")."""
+def test_an_unlabelled_fp16_graph_on_the_cpu_is_labelled_by_what_the_cpu_computes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`kiln build fp16.onnx` with no --precision: the audit labels the graph fp16 and the CPU provider computes it in
+    FP32, so the engine is labelled fp32, said in a warning (it was refused for a label no one gave); the same label
+    given with --precision fp16 is still refused, with the CPU's fix."""
     src = tmp_path / "fp16.onnx"
     onnx.save(graph(TensorProto.FLOAT16), str(src))
+    with caplog.at_level(logging.WARNING, logger="kiln.build"):
+        meta = build_direct(src, tmp_path / "engine", "onnxruntime", "cpu", None, BuildConfig())
+    assert meta.precision == "fp32" and meta.name == "onnxruntime-cpu-fp32"
+    assert "computes it in fp32 on CPU (no fp16 kernels there): labelled fp32" in caplog.text
     with pytest.raises(MislabelledEngine, match="computes 0% in fp16") as err:
-        build_direct(src, tmp_path / "engine", "onnxruntime", "cpu", None, BuildConfig())
+        build_direct(src, tmp_path / "engine16", "onnxruntime", "cpu", "fp16", BuildConfig())
     hint = err.value.hint or ""
     assert "--precision fp32 here" in hint and "--device cuda" in hint and "or none" not in hint
 
