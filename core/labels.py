@@ -120,9 +120,18 @@ def copied_input(inputs: Mapping[str, Any], y: Any) -> str | None:
 
 def is_mask_name(name: str) -> bool:
     """Named like a mask over positions: a Hugging Face attention mask (``attention_mask``,
-    ``decoder_attention_mask``), where 0 marks padding, or a padding mask (:func:`is_padding_mask_name`), where
-    True or 1 does. :func:`pad_positions` reads either."""
-    return name.lower().endswith("attention_mask") or is_padding_mask_name(name)
+    ``decoder_attention_mask``) or a node mask (:func:`is_node_mask_name`), where 0 marks padding, or a padding mask
+    (:func:`is_padding_mask_name`), where True or 1 does. :func:`pad_positions` reads either."""
+    return name.lower().endswith("attention_mask") or is_node_mask_name(name) or is_padding_mask_name(name)
+
+
+def is_node_mask_name(name: str) -> bool:
+    """Named like a graph neural network's node mask (``node_mask``, ``src_node_mask``): the ``mask`` PyTorch
+    Geometric's ``to_dense_batch`` returns beside nodes padded to one count per graph, True or 1 where a node is real,
+    as an attention mask's 1. A bare ``mask`` is not taken: an inpainting model's marks the pixels to fill (1 there),
+    a masked autoencoder's the patches hidden, neither of them padding."""
+    low = name.lower()
+    return low == "node_mask" or low.endswith("_node_mask")
 
 
 def is_padding_mask_name(name: str) -> bool:
@@ -133,7 +142,7 @@ def is_padding_mask_name(name: str) -> bool:
 
 def pad_positions(name: str, mask: Any) -> np.ndarray:
     """Where mask input ``name`` (:func:`is_mask_name`) marks padding: its True or non-zero positions for a padding
-    mask (:func:`is_padding_mask_name`), its 0 positions for an attention mask."""
+    mask (:func:`is_padding_mask_name`), its 0 positions for an attention or node mask."""
     mask = np.asarray(mask)
     return mask != 0 if is_padding_mask_name(name) else mask == 0
 
@@ -145,11 +154,11 @@ def is_decoder_name(name: str) -> bool:
 
 
 def labelled_padding(inputs: Mapping[str, Any], y: Any) -> tuple[str, int]:
-    """The attention-mask input shaped like the labels per position ``y``, and how many of its 0 (padding)
-    positions carry a label: they count in the loss, accuracy and top-1 agreement like real tokens. ``("", 0)``
-    where no input is such a mask. Where a decoder input is shaped like the labels (an encoder-decoder whose source
-    and target have one length), the labels are the decoder's (Hugging Face's seq2seq ``labels``): only a decoder
-    mask speaks of their padding."""
+    """The mask input (:func:`is_mask_name`) shaped like the labels per position ``y``, and how many of its padding
+    positions (:func:`pad_positions`) carry a label: they count in the loss, accuracy and top-1 agreement like real
+    tokens or nodes. ``("", 0)`` where no input is such a mask. Where a decoder input is shaped like the labels (an
+    encoder-decoder whose source and target have one length), the labels are the decoder's (Hugging Face's seq2seq
+    ``labels``): only a decoder mask speaks of their padding."""
     if not per_position(y):
         return "", 0
     shaped = [name for name, t in inputs.items() if tuple(t.shape) == tuple(y.shape)]

@@ -37,12 +37,29 @@ class HintedValueError(ValueError):
         self.hint = hint
 
 
-def _axis_zero_fix(name: str, dim: str) -> str:
-    """The fix for axis 0 named in ``signature.dynamic_axes``: Kiln's export ties every input's axis 0 into the one
-    batch axis, so a model taking inputs in counts of their own is exported by the user, with a name per first axis,
-    and given as ``model.onnx`` (whose axis names Kiln keeps: docs/serving.md)."""
+def _batch_of_one(axes: dict[str, dict[int, str]]) -> str:
+    """``signature.dynamic_axes`` as ``axes`` declares it, each axis counted one later (a flow-style YAML mapping):
+    the axes of its inputs given as a batch of one."""
+    shifted = []
+    for name, dims in axes.items():
+        kept = ", ".join(f"{axis + 1}: {dim}" for axis, dim in dims.items() if axis >= 0)
+        shifted.append(f"{name}: {{{kept}}}")
+    return "{" + ", ".join(shifted) + "}"
+
+
+def _axis_zero_fix(name: str, dim: str, axes: dict[str, dict[int, str]]) -> str:
+    """The fix for axis 0 named in ``signature.dynamic_axes`` (``axes``): Kiln's export ties every input's axis 0
+    into the one batch axis. Inputs without a batch axis (a graph neural network's ``x [nodes, F]`` beside
+    ``edge_index [2, edges]``) are given as a batch of one, through a wrapper that unwraps it (docs/byom.md, whose
+    recipe this words alike: an ONNX file in the batchless layout is refused too); a model taking inputs in counts
+    of their own is exported by the user, with a name per first axis, and given as ``model.onnx`` (whose axis names
+    Kiln keeps: docs/serving.md)."""
+    taken = ", ".join(f"{n}[0]" for n in axes)
     return (
-        "for inputs taken in counts of their own (a two-tower model's images and texts), export the model yourself "
+        "for inputs without a batch axis (a graph neural network's nodes and edges), give each sample as a batch of "
+        f"one: a wrapper whose forward takes {taken} and returns out.unsqueeze(0), data with an axis of 1 in front, "
+        f"signature.batch_sizes: [1] and signature.dynamic_axes: {_batch_of_one(axes)} (docs/byom.md); for inputs "
+        "taken in counts of their own (a two-tower model's images and texts), export the model yourself "
         f"with a name per first axis (torch.onnx.export(..., dynamic_axes={{'{name}': {{0: '{dim}'}}, ...}})) and "
         "give it as model.onnx, whose axis names Kiln keeps; else drop axis 0 from signature.dynamic_axes (the "
         "batch axis is dynamic already)"
@@ -87,7 +104,7 @@ class Signature(Section):
                         f"input '{name}' axis {axis}: axes are counted from 1 here (0 is the batch, which "
                         "export.dynamic_batch makes dynamic; negative indices are not taken)"
                         + (". Kiln's export gives every input's axis 0 the one batch axis" if axis == 0 else ""),
-                        _axis_zero_fix(name, str(dim))
+                        _axis_zero_fix(name, str(dim), value)
                         if axis == 0
                         else f"count the axes from 1, axis 1 the first after the batch (e.g. {{{name}: {{1: {dim}}}}})",
                     )

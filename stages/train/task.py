@@ -497,8 +497,9 @@ def warn_copied_input(data: DatasetSplits) -> None:
 
 
 def warn_labelled_padding(data: DatasetSplits) -> None:
-    """Say (once) that labels per position are set where the input named ``attention_mask`` is 0: padding that
-    counts in the loss, accuracy and top-1 agreement like real tokens."""
+    """Say (once) that labels per position are set where a mask input (:func:`kiln.core.labels.is_mask_name`: an
+    attention or node mask's 0, a padding mask's 1) marks padding: padding that counts in the loss, accuracy and
+    top-1 agreement like real tokens or nodes."""
     counts: dict[str, int] = {}
     mask = ""
     for split, inputs, y in _splits(data):
@@ -508,13 +509,16 @@ def warn_labelled_padding(data: DatasetSplits) -> None:
     if not counts:
         return
     where = " and ".join(f"{n:,} positions of {s}_y" for s, n in counts.items())
+    value, test = ("True or 1", "!= 0") if labels.is_padding_mask_name(mask) else ("0", "== 0")
     log.warning(
-        "labels are set at %s where input '%s' is 0 (padding): they count in the loss, accuracy and top-1 agreement "
-        "like real tokens; set those labels to %d (y[%s == 0] = %d)",
+        "labels are set at %s where input '%s' is %s (padding): they count in the loss, accuracy and top-1 agreement "
+        "like real positions; set those labels to %d (y[%s %s] = %d)",
         where,
         mask,
+        value,
         labels.IGNORE_LABEL,
         mask,
+        test,
         labels.IGNORE_LABEL,
     )
 
