@@ -7,6 +7,7 @@ writes the weights into the stage's folder; otherwise it trains in this process.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from kiln.core.compare import class_axis
 from kiln.core.data import (
     DataContractError,
     DatasetSplits,
@@ -42,7 +44,7 @@ from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress
 from kiln.core.records import TensorSpec
 from kiln.core.stage import StageContext
-from kiln.core.text import first_line, fmt
+from kiln.core.text import FEATURE_NAMES, first_line, fmt
 from kiln.core.user_errors import running_user_code, user_code_error, user_frame, where
 from kiln.models.determinism import refuse_random
 from kiln.models.model_io import keep_trained, load_weights, read_state_dict, save_trained, torch_model_named
@@ -54,7 +56,7 @@ from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.loop import FORWARD_NAN, FORWARD_NAN_FIX, evaluate_loss_acc, first_batch_nonfinite, train
 from kiln.stages.train.metrics import EpochMetrics, TrainResult
 from kiln.stages.train.precision import resolve_device
-from kiln.stages.train.task import DECODER_FIX, Task, check_task, label_free, scoring_task, task_for
+from kiln.stages.train.task import DECODER_FIX, Task, check_task, from_torch, label_free, scoring_task, task_for
 
 
 def build_seeded(config: TrainSettings) -> nn.Module:
@@ -110,7 +112,8 @@ def train_to(
         else:
             task = task_for(data, config.train.loss, config.signature.logits_output)
     checked = task if task.labels else None  # placeholder labels: nothing of theirs to check against the outputs
-    check_model_fits_data(probed, data, config.model.name, checked, config.signature.logits_output, probe)
+    fitted = check_model_fits_data(probed, data, config.model.name, checked, config.signature.logits_output, probe)
+    task = fitted or task  # the output the loss reads, chosen on the probe where the config names none
     check_axes_name_inputs(model, data.train_x, config.signature.dynamic_axes)
     del probed
     with process_group(env, config.train.distributed, device):
@@ -414,14 +417,16 @@ def check_model_fits_data(
     task: Task | None = None,
     logits_output: str | int | None = None,
     probe_rows: int = 2,
-) -> None:
+) -> Task | None:
     """One forward pass on two samples (``probe_rows``: fewer where training takes fewer a step: a model of one
     sample a call, a graph given as a batch of one, trains at ``train.batch_size: 1``), so that data which does not
     fit the model fails with a clear message
     before training starts (and not as a traceback from deep inside the loop); ``signature.logits_output`` is one
     of its outputs (a misspelt name was said only at the precision stage, after training, with a loss of the
     user's that never reads it); and that the model answers the same rows alike from call to call in eval mode
-    (:func:`~kiln.models.determinism.refuse_random`), which the export would refuse only after the training."""
+    (:func:`~kiln.models.determinism.refuse_random`), which the export would refuse only after the training.
+    Returns ``task`` as training should use it: reading the one output shaped like the targets where several
+    outputs leave the loss's unnamed (:func:`_with_target_output`); None where no task was given."""
     check_fp32(model, model_ref)
     x = take(data.train_x if rows(data.train_x) else data.val_x, slice(0, probe_rows))
     check_forward_takes(model, x, model_ref)
@@ -436,8 +441,51 @@ def check_model_fits_data(
     _refuse_random_in_eval(model, x)
     y = data.train_y if data.train_y is not None else data.val_y
     if task is not None and y is not None:
+        task = _with_target_output(task, outputs, y[:probe_rows], data.num_classes)
         lengths = tuple({d for t in tensors(x) if t.ndim >= 2 for d in t.shape[1:]})  # what labels may follow
         check_task(task, out, y[:probe_rows], data.num_classes, model_ref, _lacks_decoder_inputs(model, x), lengths)
+    return task
+
+
+def _with_target_output(task: Task, outputs: dict[str, torch.Tensor], y: torch.Tensor, num_classes: int) -> Task:
+    """``task`` reading the one output shaped like the targets ``y`` (:func:`_shaped_like`) where the loss's output
+    is otherwise unnamed: several outputs, none named by signature.logits_output nor the default ``logits`` (a
+    forecaster's ``prediction_outputs`` beside its ``loc`` and ``scale``); one named like features
+    (:data:`~kiln.core.text.FEATURE_NAMES`) is none, as where it is the only output. Said once, since it is a choice
+    made for the user. Unchanged where none or several fit (the loss then asks which), or where train.loss is a
+    function of the user's, which reads the outputs as forward returns them."""
+    if task.logits_output is not None or logits_name(list(outputs), None) is not None:
+        return task
+    if task.user_loss is not None and not from_torch(task.user_loss):
+        return task
+    fits = [n for n, t in outputs.items() if _shaped_like(t, y, task.kind, num_classes) and not FEATURE_NAMES.search(n)]
+    if len(fits) != 1:
+        return task
+    shape = "[" + ", ".join(["N", *(str(d) for d in outputs[fits[0]].shape[1:])]) + "]"
+    what = "targets: the only output shaped like them"
+    if task.kind == "classification":
+        what = "labels: the only output of their shape plus a class axis"
+    logging.getLogger("kiln.train").warning(
+        "training '%s' against the %s %s; set signature.logits_output to choose another", fits[0], what, shape
+    )
+    return dataclasses.replace(task, logits_output=fits[0])
+
+
+def _shaped_like(output: torch.Tensor, y: torch.Tensor, kind: str, num_classes: int) -> bool:
+    """Whether ``output`` is what the built-in loss of ``kind`` reads against the targets ``y``, as the checks of
+    a single output take it (:func:`~kiln.stages.train.task.check_task`): class logits of the integer labels' shape
+    plus a class axis (``num_classes`` wide where the data declares it), one logit per row of binary labels, else the
+    targets' own shape."""
+    if output.ndim == 0 or len(output) != len(y):
+        return False
+    if kind == "classification":
+        axis = class_axis(output.ndim) % output.ndim
+        positions = output.shape[:axis] + output.shape[axis + 1 :]
+        width_fits = num_classes <= 0 or output.shape[axis] == num_classes
+        return output.ndim == y.ndim + 1 and tuple(positions) == tuple(y.shape) and width_fits
+    if kind == "binary":
+        return output.ndim in (1, 2) and output.numel() == len(y)
+    return tuple(output.shape) == tuple(y.shape)
 
 
 def _refuse_outputs_named_like_inputs(model: nn.Module, x: Any, outputs: dict[str, torch.Tensor]) -> None:
