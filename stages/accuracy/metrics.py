@@ -7,7 +7,9 @@ NNCF's accuracy-aware quantization and Olive's metric goals do). A metric is ``f
 is better unless the function says otherwise (an attribute ``higher_is_better = False``) or the config does. Where
 the data has no labels, a user's metric scores the outputs against the reference's (:func:`against_reference`):
 a generator's images have no labels, and its quality against PyTorch's (PSNR, the share of pixels close to them)
-is the number its user judges an engine by.
+is the number its user judges an engine by. A function with an attribute ``versus_reference = True`` is scored so
+where the data has labels too: a CTC model's labels are what training needs, yet its user asks whether an engine
+decodes the transcript PyTorch decodes, which a metric against the labels does not say.
 
 The drop is in the metric's own units (a share in [0, 1]: 0.01 is one point), except for an error metric, whose
 units are the targets' (MSE's are their square: targets in the thousands give an MSE in the millions, where any
@@ -58,8 +60,8 @@ BOX_FORMAT = (
 class Metric:
     """A resolved metric: its name (as configured), function and direction; ``relative``: its drop is relative to
     the reference's value (an error metric's, in the targets' units); ``default``: no one configured it, it is the
-    one float targets get (:func:`default_metric`); ``versus_reference``: its labels are the reference's outputs, the
-    data having none (:func:`against_reference`)."""
+    one float targets get (:func:`default_metric`); ``versus_reference``: its labels are the reference's outputs,
+    the data having none (:func:`against_reference`) or the function asking for them (:func:`resolve_metric`)."""
 
     name: str
     fn: MetricFn
@@ -137,7 +139,7 @@ def against_reference(metric: Metric) -> Metric:
 def _labels_said(labels: Labels) -> str:
     """The labels as an error names them: their dtype and shape, or the reference's outputs and their shapes."""
     if isinstance(labels, dict):
-        return f"the reference's outputs {_shapes(labels)} (its labels: the data has none)"
+        return f"the reference's outputs {_shapes(labels)} (its labels: the data has none, or versus_reference)"
     return f"labels {labels.dtype}{list(labels.shape)}"
 
 
@@ -199,7 +201,9 @@ def resolve_metric(
 ) -> Metric | None:
     """``validate.metric``: a built-in name or ``pkg.mod:fn`` (imported here; a bad path is a ConfigError).
     ``num_classes``: the data's (0: not declared), which tells ``detection_recall`` a DETR-style head's scores, one
-    class wider (:func:`_class_decisions`)."""
+    class wider (:func:`_class_decisions`). A function's attributes say its direction (``higher_is_better``), its
+    drop's unit (``relative``) and what it scores against (``versus_reference``: the reference's outputs, even where
+    the data has labels); a built-in's are Kiln's (each reads labels of a task)."""
     if ref is None:
         return None
     if ref in BUILTINS:
@@ -213,7 +217,9 @@ def resolve_metric(
     _refuse_misfit_call(fn, ref)
     default = bool(getattr(fn, "higher_is_better", True))
     relative = bool(getattr(fn, "relative", False))
-    return Metric(ref, fn, default if higher_is_better is None else higher_is_better, relative)
+    versus = bool(getattr(fn, "versus_reference", False))
+    higher = default if higher_is_better is None else higher_is_better
+    return Metric(ref, fn, higher, relative, versus_reference=versus)
 
 
 def check_metric(settings: Any) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.core.compare import OutputStats, worst_sample
+from kiln.core.compare import OutputStats, class_axis, worst_sample
 from kiln.core.data import feed_rows
 from kiln.core.errors import InputError, InputFileError
 from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, rows_per_call, run_batched
@@ -451,22 +451,42 @@ def _say_no_top1(
 ) -> None:
     """Warn, where no top-1 agreement was computed, why, and what the outputs were compared by: no output is the
     class-logit output (several, none named ``logits``; one named as features) and none is named, or the named one
-    has no class axis to agree on. The default output held to nothing is said where it is chosen
-    (:func:`~kiln.stages.accuracy.check.top1_output`); an integer output is held to its share of equal values."""
+    has no class axis to agree on. Where no output has a class axis of two entries or more, a regression's values
+    (a forecaster's mean and log-variance) are the likelier reading: outputs of one value per row are said to need
+    no name ([N, 1] may still be a binary classifier's logit, which naming holds to decision agreement), and where
+    no output has even that axis there is nothing to name, said as information only. The default output held to
+    nothing is said where it is chosen (:func:`~kiln.stages.accuracy.check.top1_output`); an integer output is held
+    to its share of equal values."""
     names = list(ref)
     if entry.top1_agreement is not None or (logits is None and logits_name(names, setting) is not None):
         return
     if logits is not None and ref[logits].dtype.kind != "f":
         return
-    fix = "--set signature.logits_output=NAME holds the class-logit output to top-1 agreement"
+    widths = [v.shape[class_axis(v.ndim)] for v in ref.values() if v.dtype.kind == "f" and v.ndim >= 2]
     if logits is not None:
         why = f"output '{logits}', which signature.logits_output names, has no class axis (one value per row)"
-        fix = "name an output with a class axis ([N, C] logits, or [N, 1]: one binary logit)"
     elif len(names) == 1 and FEATURE_NAMES.search(names[0]):
         why = f"the only output, '{names[0]}', is named as features"
     else:
         why = f"{len(names)} outputs ({', '.join(names)}), none named '{SINGLE_OUTPUT}'"
-    log.warning("no top-1 agreement: %s; %s (%s)", why, COMPARED_BY, fix)
+    level = logging.WARNING if widths or logits is not None else logging.INFO  # no class axis anywhere: no scores
+    log.log(level, "no top-1 agreement: %s; %s (%s)", why, COMPARED_BY, _no_top1_fix(logits, widths))
+
+
+def _no_top1_fix(logits: str | None, widths: list[int]) -> str:
+    """The fix :func:`_say_no_top1` offers: naming an output with a class axis; where every output holds one value
+    per row (``widths``: the float outputs' class-axis entries, each 1), a regression's outputs are told that it
+    does not apply to them."""
+    moot = "this does not apply: nothing to fix"
+    if logits is not None:
+        return (
+            "name an output with a class axis ([N, C] logits, or [N, 1]: one binary logit); for a regression's "
+            f"prediction {moot}"
+        )
+    fix = "--set signature.logits_output=NAME holds the class-logit output to top-1 agreement"
+    if widths and max(widths) < 2:  # [N, 1] each: a binary classifier's logit, or a regression's value
+        return f"{fix}, a binary classifier's one logit [N, 1] to decision agreement; for a regression's values {moot}"
+    return fix
 
 
 def _say_unvalidated_ranges(meta: EngineMetadata, sizes: list[dict[str, int]]) -> None:
