@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import site
 import sysconfig
 import traceback
@@ -129,7 +130,26 @@ def user_code_error(
     message = f"{who} raised {type(exc).__name__}: {first_line(exc)} (in {where(frame)}) while {doing}"
     fix = (hint + "; or fix" if hint else "fix") + f" {frame.name}() in {frame.filename} line {frame.lineno}"
     detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return UserCodeError(message, hint=fix + _file_hint(exc) + " (--verbose shows the traceback)", detail=detail)
+    hints = _file_hint(exc) + (_index_hint(exc) if model else "")
+    return UserCodeError(message, hint=fix + hints + " (--verbose shows the traceback)", detail=detail)
+
+
+# torch's message for an index past a tensor's rows: ``index 1000 is out of bounds for dimension 0 with size 1000``
+OUT_OF_BOUNDS = re.compile(r"index (-?\d+) is out of bounds for dimension \d+ with size (\d+)")
+
+
+def _index_hint(exc: BaseException) -> str:
+    """For a model's ``table[i]`` past the table (a diffusion schedule's ``alphas[t]`` at t = 1000): the data may be
+    at fault, not the line, since an integer input's values come from it and Kiln checks them only against
+    embeddings (``nn.Embedding``), not against a tensor a model indexes itself."""
+    found = OUT_OF_BOUNDS.search(str(exc)) if isinstance(exc, IndexError) else None
+    if found is None:
+        return ""
+    index, size = found.groups()
+    return (
+        f"; or, where the index comes from an integer input (a timestep, a position, an id), the data: it holds "
+        f"{index}, past the {size} rows indexed (keep that input within 0..{int(size) - 1})"
+    )
 
 
 def _library_error(exc: BaseException, doing: str, what: str | None, hint: str | None) -> UserCodeError | None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -59,3 +62,20 @@ def test_user_code_calling_sys_exit_is_an_error_not_the_end_of_the_command(
     assert err.value.message.startswith("reader 'r' called sys.exit(0) (in reader() at ")
     assert err.value.message.endswith("while reading calibration batches")
     assert err.value.hint.startswith("return instead of exiting in reader() at ") and "__main__" in err.value.hint
+
+
+def test_a_models_index_past_its_own_table_points_at_the_data_too(tmp_path: Path) -> None:
+    """A diffusion model's ``schedule[t]`` at t = 1000 raises in the model's line, but the timestep came from the
+    data: the fix names both, with the range the table takes."""
+    module = tmp_path / "ddpm_probe.py"
+    module.write_text("import torch\n\ndef forward(t):\n    return torch.zeros(1000)[t]\n")
+    spec = importlib.util.spec_from_file_location("ddpm_probe", module)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(UserCodeError) as err, running_user_code("training step 4", model=True):
+        mod.forward(torch.tensor(1000))
+    assert "forward() in" in (err.value.hint or "") and "holds 1000, past the 1000 rows" in (err.value.hint or "")
+    assert "within 0..999" in (err.value.hint or "")
+    with pytest.raises(UserCodeError) as err, running_user_code("loading data"):  # not the model: its line alone
+        mod.forward(torch.tensor(1000))
+    assert "past the" not in (err.value.hint or "")
