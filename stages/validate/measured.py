@@ -17,7 +17,7 @@ log = logging.getLogger("kiln.validate")
 NOTHING_COMPARED = "nothing was compared there"  # in every failure of nothing_measured: how the fix tells them apart
 NO_FINITE_FIX = (
     "the model gives no finite output at these inputs (it overflows, or they are sizes it cannot take): validate at "
-    "inputs/sizes it takes (signature.shapes / --inputs)"
+    "inputs/sizes it takes (signature.shapes; real inputs: data.name in a run, --inputs for kiln validate ENGINE)"
 )
 
 
