@@ -36,11 +36,15 @@ def _is_import_path(name: str | None) -> bool:
 
 
 def dataset_fingerprint(
-    config: KilnConfig, workdir: Path | None = None, load: Callable[[], DatasetSplits] | None = None
+    config: KilnConfig,
+    workdir: Path | None = None,
+    load: Callable[[], DatasetSplits] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> str | None:
     """Hash of every tensor of a user dataset (loaded the way stages load it), or None for a built-in one. With
     ``data.skip_unchanged``, kept in the workdir's cache (:func:`_kept_hash`). ``load``: the run's dataset (by
-    default, loaded here)."""
+    default, loaded here); ``timings``: given, gets how long the call to hash took (``"data"``: seconds), and the
+    caller says whether it was slow (:func:`slow_call_hint`)."""
     if not _is_import_path(config.data.name):
         return None
     if config.data.skip_unchanged and workdir is not None:
@@ -53,7 +57,7 @@ def dataset_fingerprint(
             "kiln": hash_source("kiln.models.model_io", "kiln.models.registry", "kiln.core.data"),
         }
         return _kept_hash(workdir, "data", parts, config.data.depends_on, lambda: _dataset_hash(config, load))
-    return _timed("data function", lambda: _dataset_hash(config, load), "data")
+    return _timed("data function", lambda: _dataset_hash(config, load), "data", timings)
 
 
 def _dataset_hash(config: KilnConfig, load: Callable[[], DatasetSplits] | None = None) -> str:
@@ -77,21 +81,28 @@ SLOW_CALL_S = 1.0  # user code slower than this to call only for its hash is wor
 _said_slow: set[str] = set()
 
 
-def _timed(what: str, call: Callable[[], str], section: str) -> str:
-    """``call()``, with a hint the first time in a process it takes over :data:`SLOW_CALL_S`."""
+def _timed(what: str, call: Callable[[], str], section: str, timings: dict[str, float] | None = None) -> str:
+    """``call()``, with a hint the first time in a process it takes over :data:`SLOW_CALL_S`; ``timings``: given,
+    gets how long it took under ``section`` instead, for the caller to say."""
     started = time.perf_counter()
     value = call()
-    if (took := time.perf_counter() - started) >= SLOW_CALL_S and section not in _said_slow:
+    took = time.perf_counter() - started
+    if timings is not None:
+        timings[section] = took
+    elif took >= SLOW_CALL_S and section not in _said_slow:
         _said_slow.add(section)
-        log.info(
-            "%s: calling the %s to hash what it returns took %.1f s; with %s.skip_unchanged a run skips the call "
-            "while what it read is unchanged (docs/configuration.md, 'A data function slow to call')",
-            section,
-            what,
-            took,
-            section,
-        )
+        log.info("%s", slow_call_hint(section, what, took))
     return value
+
+
+def slow_call_hint(section: str, what: str, took: float, share: str = "") -> str:
+    """The hint that user code called only for its hash was slow, naming ``<section>.skip_unchanged`` and what it
+    relies on. ``share``: what part of the run the call was, said after its time."""
+    return (
+        f"{section}: calling the {what} to hash what it returns took {took:.1f} s{share}; with "
+        f"{section}.skip_unchanged a run skips the call while what it read is unchanged (docs/configuration.md, "
+        "'A data function slow to call')"
+    )
 
 
 KEPT_FILE = "data-hashes.json"  # in the workdir's cache folder: what user code read, and the hash of what it returned

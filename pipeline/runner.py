@@ -40,9 +40,9 @@ from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.threads import cpu_threads_for_load
 from kiln.models.registry import resolve_callable
 from kiln.pipeline.config import KilnConfig
-from kiln.pipeline.fingerprints import FINGERPRINTS, dataset_fingerprint
+from kiln.pipeline.fingerprints import FINGERPRINTS, SLOW_CALL_S, dataset_fingerprint, slow_call_hint
 from kiln.pipeline.manifests import handed_on, out_of_date
-from kiln.pipeline.user_code import code_version, import_root
+from kiln.pipeline.user_code import code_version, defined_unrun, import_root
 from kiln.stages.engines.declaration import BuildSummary
 from kiln.stages.engines.registry import backend_libraries
 from kiln.stages.validate.declaration import NOT_BUILT, REQUIRED, UNVALIDATED
@@ -244,9 +244,11 @@ def cache_key(
     workdir: Path,
     fingerprints: dict[str, str | None] | None = None,
     dataset: Callable[[], Any] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The stage's key and what went into it. ``fingerprints`` memoizes user-data hashes across one run's stages;
-    ``dataset``: the run's dataset, loaded once a run (the user data hashed is then the data the stages read)."""
+    ``dataset``: the run's dataset, loaded once a run (the user data hashed is then the data the stages read);
+    ``timings``: given, gets how long the call of the user's data function to hash it took (``"data"``)."""
     inputs = {}
     for up in stage.inputs:
         m = read_manifest(workdir / up)
@@ -258,7 +260,7 @@ def cache_key(
         if name not in memo:
             fingerprint = FINGERPRINTS[name]
             if name == "dataset" and dataset is not None:
-                fingerprint = partial(dataset_fingerprint, load=dataset)
+                fingerprint = partial(dataset_fingerprint, load=dataset, timings=timings)
             memo[name] = fingerprint(config, workdir)
     data = {name: memo[name] for name in stage.data if memo[name] is not None}
     if data:
@@ -281,6 +283,19 @@ USER_CODE_KEYS = {
     "train.loss": "train.loss",
     "validate.metric": "validate.metric",
 }
+
+
+def check_user_code(config: KilnConfig, sections: Collection[str]) -> None:
+    """Each function the config names by import path (:data:`USER_CODE_KEYS`) for stages whose settings cover its
+    key, found defined by reading its module's source (nothing imported), or else imported, which names the mistake
+    (a ConfigError: a misspelt function, a missing module). A run does this before its first cache key, which may
+    call the user's data function (seconds): a typo then fails as fast in a workdir of earlier runs as in a new one."""
+    for key, label in USER_CODE_KEYS.items():
+        if not any(key == s or key.startswith(s + ".") for s in sections):
+            continue
+        ref = config_at(config, key)
+        if isinstance(ref, str) and ":" in ref and not defined_unrun(*ref.split(":", 1)):
+            resolve_callable(ref, {}, label)
 
 
 def user_parts(stage: Stage, config: KilnConfig, code: bool = True) -> dict[str, Any]:
@@ -446,13 +461,14 @@ class Runner:
         records: list[StageRecord] = []
         error: KilnError | None = None
         self._fingerprints: dict[str, str | None] = {}  # user data is hashed once per run
+        self._timings: dict[str, float] = {}  # how long calling the user's data function to hash it took
         self._dataset: list[Any] = []  # and loaded once: every stage reads the same splits
         self._verified: dict[Path, str] = {}  # stage outputs are hashed once per run (outputs_intact)
         self._threads_said = False
         self._current: set[str] = set()  # stages this run ran or found cached: current (see _refuse_out_of_date)
         last_reader = max((i for i, s in enumerate(self.stages) if "dataset" in s.data), default=-1)
         self._ahead = self.stages[: names.index(stop) + 1 if stop is not None else None]  # this run's stages
-        self._checked = False
+        self._checked = self._code_checked = False
         for i, stage in enumerate(self.stages):
             if error is not None:
                 records.append(StageRecord(stage.name, "not-run"))
@@ -497,6 +513,7 @@ class Runner:
                 )
             if stop is not None and stage.name == stop:
                 break
+        self._say_slow_data(records)
         return RunResult(self.workdir, records, error, wall_seconds=time.perf_counter() - began)
 
     def _build_skips(self, records: list[StageRecord]) -> list[str]:
@@ -517,6 +534,27 @@ class Runner:
         self._checked = True
         for later in self._ahead[self._ahead.index(stage) :]:
             later.check(settings_for(later, self.config))
+
+    def _check_code(self) -> None:
+        """Once a run, before its first cache key: :func:`check_user_code` for the stages of this run."""
+        if not self._code_checked:
+            self._code_checked = True
+            check_user_code(self.config, [k for s in self._ahead for k in s.settings.keys()])
+
+    def _say_slow_data(self, records: list[StageRecord]) -> None:
+        """Say that calling the user's data function only to hash it was slow: at warning level where it was most
+        of deciding which stages are cached and no stage that reads the data ran (then the call was all the run did
+        with it, which ``data.skip_unchanged`` skips); else only with -v."""
+        took = self._timings.get("data")
+        if took is None or took < SLOW_CALL_S:
+            return
+        readers = {s.name for s in self.stages if "dataset" in s.data}
+        wasted = not any(r.status == "ran" and r.name in readers for r in records)
+        most = took >= 0.5 * sum(r.check_seconds for r in records)
+        if wasted and most:
+            log.warning("%s", slow_call_hint("data", "data function", took, " of checking which stages are cached"))
+        else:
+            log.info("%s", slow_call_hint("data", "data function", took))
 
     def _kept_after(self, i: int) -> str:
         """Said after failed gates: the folders of the stages after the ``i``-th that an earlier run finished and
@@ -633,7 +671,8 @@ class Runner:
         final = self.workdir / stage.name
         t_check = time.perf_counter()
         self._refuse_out_of_date(stage)  # before the key: that may call the user's data function (seconds)
-        key, parts = cache_key(stage, self.config, self.workdir, self._fingerprints, self._load_dataset)
+        self._check_code()  # so may a typo in a function's path: said before that call too
+        key, parts = cache_key(stage, self.config, self.workdir, self._fingerprints, self._load_dataset, self._timings)
         missing = [
             up
             for up in stage.inputs

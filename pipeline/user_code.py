@@ -72,6 +72,46 @@ def import_root(module: str) -> str | None:
     return None if _installed(folder) else str(folder)
 
 
+def defined_unrun(module: str, attr: str) -> bool:
+    """Whether ``module`` defines ``attr`` at its top level (a def, class, assignment or import, under an ``if`` or
+    ``try`` too), read from its source without running it or its packages: a run checks that the functions its
+    config names exist before it calls the user's data function (seconds). False where that cannot be told so (no
+    source found, a ``from x import *``, a module ``__getattr__``): the caller imports the module to find out."""
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        return hasattr(loaded, attr)
+    try:
+        origin, _ = _unrun_source(module)
+    except (ImportError, ValueError):
+        return False
+    if not origin or not origin.endswith(".py"):
+        return False
+    try:
+        tree = ast.parse(Path(origin).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return False
+    names = _top_level_names(tree.body)
+    return attr in names and "*" not in names
+
+
+def _top_level_names(body: list[ast.stmt]) -> set[str]:
+    """The names statements bind in the namespace they run in (not inside the functions or classes they define)."""
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {a.asname or a.name.partition(".")[0] for a in node.names}
+        if isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):  # blocks that run where they stand
+            blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+            blocks += [h.body for h in getattr(node, "handlers", [])]
+            names |= {n for block in blocks for n in _top_level_names(block)}
+    return names - {"__getattr__"} | ({"*"} if "__getattr__" in names else set())
+
+
 def _unrun_source(name: str) -> tuple[str | None, list[Path]]:
     """The source file of module ``name`` (None without one) and the roots of its top-level package, found without
     running either."""
