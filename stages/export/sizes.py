@@ -24,10 +24,13 @@ from kiln.core.text import ort_reason
 from kiln.stages.export.parity import PARITY_ROWS, computes_untied, integers_over, over_tolerance, parity, parity_passes
 from kiln.stages.export.pinned_sizes import BRANCH_FIX, FIXED_SIZE_HINT, pinned_at, size_branch
 from kiln.stages.export.quiet import quiet_torch
-from kiln.stages.export.torch_export import ExportFailed, export_with_fallback, fixed_places, traced_value
+from kiln.stages.export.torch_export import export_with_fallback, fixed_places, traced_value
 from kiln.stages.export.torch_sizes import OwnRows, direct_point, one_name_hint, own_sizes, rows_source, torch_at
 
 log = logging.getLogger("kiln.export")
+
+# PyTorch's outputs at a size of the size check, by :func:`_ref_key`: run before the export, read by the check after
+TorchRefs = dict[tuple[tuple[str, ...], tuple[tuple[str, int], ...]], dict[str, Any]]
 
 
 def check_validated_sizes(
@@ -41,15 +44,17 @@ def check_validated_sizes(
     atol: float,
     rtol: float = 0.0,
     dynamo: str = "",
+    refs: TorchRefs | None = None,
 ) -> None:
     """PyTorch and the exported graph at every size of the dynamic axes that the later stages run (validation's
     smallest and largest: :func:`kiln.core.shapes.axis_sizes`), beside the data's own that :func:`parity` checks,
     each output within ``atol + rtol *`` the value its error is on (:func:`within_parity`).
     A model that runs at one length only, or an exporter that fixed a size it was told varies, is named here with
     what to change, instead of failing deep in calibration or validation. ``dynamo``: why the dynamo exporter
-    failed, where the graph is the TorchScript exporter's (:func:`export_with_fallback`)."""
+    failed, where the graph is the TorchScript exporter's (:func:`export_with_fallback`); ``refs``: PyTorch's
+    outputs at sizes :func:`export_at_sizes` already ran it at."""
     x, feed, seen = _parity_rows(data, names)
-    check_sizes_of(model, path, session, x, feed, seen, axes, shapes, atol, rtol, dynamo=dynamo)
+    check_sizes_of(model, path, session, x, feed, seen, axes, shapes, atol, rtol, dynamo=dynamo, refs=refs)
 
 
 def check_sizes_of(
@@ -65,6 +70,7 @@ def check_sizes_of(
     rtol: float = 0.0,
     direct: bool = False,
     dynamo: str = "",
+    refs: TorchRefs | None = None,
 ) -> list[dict[str, int]]:
     """:func:`check_validated_sizes` on the rows ``x`` (``feed``: as the graph takes them) resized to each size,
     the sizes taken from ``shapes`` or else from ``seen`` (a row of each split: their smallest and largest; half
@@ -73,7 +79,8 @@ def check_sizes_of(
     Where outputs that order or count by value (indices, a length the values decide) are off on inputs Kiln padded
     with zeros, whose equal scores runtimes order apart, the graph passes if it computes the model on the inputs
     grown by their own values (:func:`computes_untied`). ``dynamo``: why the dynamo exporter failed, where the
-    graph is the TorchScript exporter's, said with the error. Returns the sizes checked (the step probe's range)."""
+    graph is the TorchScript exporter's, said with the error. ``refs``: PyTorch's outputs at sizes already run
+    (:func:`export_at_sizes`), not run again. Returns the sizes checked (the step probe's range)."""
     whose = "the example's" if direct else "the data's"
     tie = (
         "give inputs that tie no scores (a config whose data.name gives real ones)"
@@ -85,7 +92,9 @@ def check_sizes_of(
     own_rows = OwnRows()
     for point, sized in points:
         at, inputs = ", ".join(f"{k}={v}" for k, v in point.items()), from_feed(sized, x)
-        ref = torch_at(model, inputs, point, [feed, *seen], axes, shapes, direct, own_rows)
+        ref = (refs or {}).get(_ref_key(feed, point))
+        if ref is None:
+            ref = torch_at(model, inputs, point, [feed, *seen], axes, shapes, direct, own_rows)
         by_value: list[str] = []
         indices: list[str] = []
         try:
@@ -300,21 +309,29 @@ def export_at_sizes(
     data: DatasetSplits,
     axes: Mapping[str, Mapping[int, str]] | None,
     shapes: Mapping[str, list[int]],
+    refs: TorchRefs | None = None,
 ) -> tuple[onnx.ModelProto, str]:
-    """:func:`export_with_fallback` with a dynamic batch and ``axes``; where both exporters fail and an axis varies,
-    PyTorch runs first at the other sizes the later stages run (as :func:`check_validated_sizes` does after an
-    export): a model that takes one size (a shape check of its own) fails there with its own error, which is then the
-    one said, not the exporters' (an op traced at that one size the fallback exporter cannot write)."""
-    try:
-        return export_with_fallback(model, example, path, opset, True, axes)
-    except ExportFailed:
-        if axes:
-            names = input_names(model, example)
-            x, feed, seen = _parity_rows(data, names)
-            own_rows = OwnRows()
-            for point, sized in _other_sizes(feed, seen, dict(axes), shapes):
-                torch_at(model, from_feed(sized, x), point, [feed, *seen], dict(axes), shapes, own_rows=own_rows)
-        raise
+    """:func:`export_with_fallback` with a dynamic batch and ``axes``; where an axis varies, PyTorch runs first at
+    the other sizes the later stages run (as :func:`check_validated_sizes` does): a model that takes one size (a
+    shape check of its own, an axis declared on one input but not on another it multiplies) fails there with its own
+    error, in a second, not after the exporters' attempts (the dynamo exporter's takes seconds to a minute before
+    its graph holds the size, and the TorchScript one's op traced at that one size may fail to export). PyTorch's
+    outputs there go into ``refs``, which :func:`check_validated_sizes` takes so it does not run them again."""
+    if axes:
+        names = input_names(model, example)
+        x, feed, seen = _parity_rows(data, names)
+        own_rows = OwnRows()
+        for point, sized in _other_sizes(feed, seen, dict(axes), shapes):
+            ref = torch_at(model, from_feed(sized, x), point, [feed, *seen], dict(axes), shapes, own_rows=own_rows)
+            if refs is not None:
+                refs[_ref_key(feed, point)] = ref
+    return export_with_fallback(model, example, path, opset, True, axes)
+
+
+def _ref_key(feed: Feed, point: Mapping[str, int]) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
+    """The key of PyTorch's outputs on ``feed`` resized to ``point`` in :data:`TorchRefs`: the inputs by name (the
+    graph may take fewer than the model) and the sizes."""
+    return tuple(feed), tuple(sorted(point.items()))
 
 
 def checked_spans(feed: Feed, axes: Axes, points: list[dict[str, int]]) -> dict[str, list[int]]:

@@ -44,7 +44,13 @@ from kiln.stages.export.other_axes import tie_other_axes
 from kiln.stages.export.output_axes import name_output_axes
 from kiln.stages.export.parity import PARITY_ROWS, batch_parity, exported_session, require_parity, warn_empty_masks
 from kiln.stages.export.size_steps import GraphAt, record_graph_steps, size_steps, steps_over
-from kiln.stages.export.sizes import check_sizes_of, check_validated_sizes, checked_spans, export_at_sizes
+from kiln.stages.export.sizes import (
+    TorchRefs,
+    check_sizes_of,
+    check_validated_sizes,
+    checked_spans,
+    export_at_sizes,
+)
 from kiln.stages.export.torch_export import export_with_fallback, input_axes
 
 log = logging.getLogger("kiln.export")
@@ -128,7 +134,8 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     refuse_random(model, example)
     refuse_changed_layout(layout, model)  # said now, not after the export's minutes
     warn_wide_inputs(model, example)
-    proto, dynamo = export_at_sizes(model, example, path, cfg.opset, data, axes, ctx.config.signature.shapes)
+    refs: TorchRefs = {}  # PyTorch at the size check's sizes, run before the export and not again after
+    proto, dynamo = export_at_sizes(model, example, path, cfg.opset, data, axes, ctx.config.signature.shapes, refs)
     refuse_random_graph(proto, f"the exported graph {path.name}")  # draws too small for refuse_random to see
     session = exported_session(path, dynamo)  # for the parity check and the output-axis probe
     check = batch_parity(model, path, example, x, cfg.parity_atol, session, cfg.parity_rtol, dynamo)
@@ -142,7 +149,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     )
     names = [i.name for i in proto.graph.input]
     shapes, atol, rtol = ctx.config.signature.shapes, cfg.parity_atol, cfg.parity_rtol
-    check_validated_sizes(model, path, session, data, names, axes or {}, shapes, atol, rtol, dynamo)
+    check_validated_sizes(model, path, session, data, names, axes or {}, shapes, atol, rtol, dynamo, refs)
     steps = size_steps(model, data, names, axes or {}, shapes, GraphAt(path, session, atol, rtol))
     refuse_changed_layout(layout, model)  # after the last forward of the export
     if steps:
