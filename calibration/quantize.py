@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 
 from kiln.calibration.config import CalibrationConfig
+from kiln.calibration.quiet import ort_said_to_debug
 from kiln.calibration.ranges import Ranges, _ort_method, ranges_file
 from kiln.core.cpu_int8 import ORT_CPU_STATIC_INTEGER, resolve_reduce_range
 from kiln.core.errors import ModelError, refuse_unknown_names
@@ -281,7 +282,12 @@ def quantize_int8(
         unshare_biases(source)
     try:
         # uncached ranges: a scratch file for this call only
-        with ranges_file(ranges) as cache_path, unbounded_quietly(ranges), root_handlers_kept():
+        with (
+            ranges_file(_without_nan(ranges)) as cache_path,
+            unbounded_quietly(ranges),
+            root_handlers_kept(),
+            ort_said_to_debug("quantize_static"),
+        ):
             quantize_static(
                 source,
                 str(out_path),
@@ -305,7 +311,7 @@ def quantize_int8(
                 calibration_cache_path=str(cache_path),
             )
     except Exception as exc:  # ORT's quantizer raises plain exceptions on graphs it cannot quantize
-        raise quantizer_failed("quantize_static", exc, model, "int8") from None
+        raise quantizer_failed("quantize_static", exc, model, "int8", ranges) from None
     q = _float_outputs_at(out_path, model)
     counts = {op: sum(n.op_type == op for n in q.graph.node) for op in ("QuantizeLinear", "DequantizeLinear")}
     log.info(
@@ -421,7 +427,12 @@ def quantize_fp8(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _quiet_ort_preprocess_warning()
     try:
-        with ranges_file(_as_distribution(ranges)) as cache_path, unbounded_quietly(ranges), root_handlers_kept():
+        with (
+            ranges_file(_as_distribution(ranges)) as cache_path,
+            unbounded_quietly(ranges),
+            root_handlers_kept(),
+            ort_said_to_debug("quantize_static"),
+        ):
             quantize_static(
                 model,
                 str(out_path),
@@ -568,7 +579,8 @@ def quantize_int8_dynamic(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _quiet_ort_preprocess_warning()
     try:
-        with root_handlers_kept():  # ORT's quantizers' module-level logging.warning() would add a root handler
+        # ORT's quantizers' module-level logging.warning() would add a root handler
+        with root_handlers_kept(), ort_said_to_debug("quantize_dynamic"):
             quantize_dynamic(
                 str(model_path),
                 str(out_path),
@@ -611,10 +623,26 @@ def quantize_int8_dynamic(
     }
 
 
-def quantizer_failed(call: str, exc: Exception, model: onnx.ModelProto, variant: str) -> ModelError:
+def _without_nan(ranges: Ranges) -> Ranges:
+    """``ranges`` less its tensors with a NaN bound: their nodes stay in float (:func:`unbounded_nodes`), and ORT's
+    quantizer, which computes a scale for every tensor it is given, fails on a NaN one ("scale issue")."""
+    nan = ranges.nan_bounded()
+    return ranges.without(nan) if nan else ranges
+
+
+# ORT's compute_scale_zp asserts a scale >= 0: a NaN range (or a negative width) fails it with this message alone
+SCALE_ISSUE = "scale issue"
+
+
+def quantizer_failed(
+    call: str, exc: Exception, model: onnx.ModelProto, variant: str, ranges: Ranges | None = None
+) -> ModelError:
     """The error for ORT's quantizer failing on ``model`` (``call``: the function that raised ``exc``): its message
     in whole sentences, and each tensor or node it quotes as the node to keep in float (a tensor by the node that
-    writes it), so the fix names what calibration.exclude_nodes takes."""
+    writes it), so the fix names what calibration.exclude_nodes takes. Its bare "scale issue" is said in words,
+    with the tensors of ``ranges`` whose range is NaN."""
+    if isinstance(exc, AssertionError) and str(exc).strip() == SCALE_ISSUE:
+        return _scale_issue(call, model, variant, ranges)
     nodes = quoted_nodes(str(exc), model)
     keep = (
         f"keep {', '.join(f'{n} ({why})' for n, why in nodes.items())} in float: "
@@ -625,6 +653,23 @@ def quantizer_failed(call: str, exc: Exception, model: onnx.ModelProto, variant:
     return ModelError(
         f"onnxruntime.quantization.{call} failed ({type(exc).__name__}: {whole_sentences(str(exc))})",
         hint=f"{keep}, or drop {variant} from precision.variants (the other variants are still built)",
+    )
+
+
+def _scale_issue(call: str, model: onnx.ModelProto, variant: str, ranges: Ranges | None) -> ModelError:
+    """ORT's "scale issue": a calibrated range gave no INT8 scale (NaN, or a negative width); the tensors whose
+    range is NaN and the nodes writing them, where ``ranges`` tell."""
+    nan = ranges.nan_bounded() if ranges is not None else []
+    writers = {out: n.name for n in _nodes(model.graph) if n.name for out in n.output}
+    nodes = list(dict.fromkeys(writers[t] for t in nan if t in writers))
+    which = f": {', '.join(repr(t) for t in nan[:4])}{' and more' if len(nan) > 4 else ''}" if nan else ""
+    keep = f"--set 'calibration.exclude_nodes=[{', '.join(nodes)}]'" if nodes else "calibration.exclude_nodes"
+    return ModelError(
+        f"onnxruntime.quantization.{call} failed (AssertionError: {SCALE_ISSUE}): a calibrated range gave no "
+        f"{variant.upper()} scale, its width NaN or negative: a tensor NaN on the calibration data{which} (a Sqrt or "
+        "Log of negative inputs, 0/0)",
+        hint=f"calibrate on inputs the model is defined at (data.name, --calibration), keep the nodes writing "
+        f"NaN in float ({keep}), or drop {variant} from precision.variants (the other variants are still built)",
     )
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import io
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager, redirect_stdout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import numpy as np
 
 from kiln.calibration.data import ArrayReader, hash_batches
 from kiln.calibration.entropy import beyond_histograms, entropy_ranges
+from kiln.calibration.quiet import ort_said_to_debug
 from kiln.core.artifacts import hash_file, hash_json, write_text_atomic
 from kiln.core.errors import InputError
 from kiln.core.ownership import scratch_dir
@@ -68,6 +69,22 @@ class Ranges:
         """Tensors empty in every calibration batch (a routed branch, such as an MoE expert, that no sample takes):
         their range is the empty one, (+inf, -inf), so nothing gives them a scale and their nodes stay in float."""
         return sorted(name for name, td in self.tensors.items() if _empty(td.range_value))
+
+    def nan_bounded(self) -> list[str]:
+        """Tensors with a NaN bound (:meth:`unbounded` ones NaN in every sample): ORT's quantizer computes a scale
+        for every tensor of the ranges it is given, and a NaN one fails its check ("scale issue")."""
+        return sorted(
+            name
+            for name, td in self.tensors.items()
+            if any(np.isnan(np.asarray(v, dtype=np.float64)).any() for v in td.range_value)
+        )
+
+    def without(self, names: Collection[str]) -> Ranges:
+        """These ranges less the tensors ``names``, in memory only (no cache file: ``path`` None)."""
+        from onnxruntime.quantization.calibrate import TensorsData
+
+        kept = {n: td for n, td in self.tensors.data.items() if n not in names}
+        return replace(self, tensors=TensorsData(self.tensors.calibration_method, kept), path=None)
 
 
 @contextmanager
@@ -236,7 +253,8 @@ def _run_calibrator(
     if method == "entropy":
         extra |= ENTROPY_BINS
     # ORT's histogram calibrators print their progress: it goes to Kiln's debug log, not the user's output
-    with scratch_dir("kiln-calib") as tmp, _ort_prints_logged():  # tmp: in the workdir, removed on failure
+    # tmp: in the workdir, removed on failure; numpy's warnings on a tensor NaN everywhere go to the debug log too
+    with scratch_dir("kiln-calib") as tmp, _ort_prints_logged(), ort_said_to_debug("calibration"):
         calibrator = create_calibrator(
             model_path,
             None,
@@ -246,8 +264,8 @@ def _run_calibrator(
             use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
         )
         tensors = _collect(calibrator, ArrayReader(input_name, batches), method)
-    if method == "minmax" and symmetric:
-        tensors = _symmetric(tensors)
+        if method == "minmax" and symmetric:
+            tensors = _symmetric(tensors)
     STATS["calibrations"] += 1
     log.info("calibrated %d tensors with %s over %d batches", len(tensors.data), method, len(batches))
     return tensors

@@ -45,6 +45,7 @@ from kiln.stages.precision.stage import (
     failure_hint,
     variant_record,
 )
+from kiln.stages.precision.tables import float_tables_hint
 from kiln.stages.precision.variants import Source, carried_precision
 
 log = logging.getLogger("kiln.precision")
@@ -121,6 +122,9 @@ def precision_direct(
             variants,
             off,
         )
+        tables = float_tables_hint(source_graph.model, ccfg) if "int8" in built else None
+        if tables:
+            log.warning(tables)
     failed = {**left, **failed}
     for name, entry in built.items():  # no graph of it any engine can read: not made, here
         if entry.get("unmade") and not entry.get("backend_paths"):
@@ -135,7 +139,12 @@ def precision_direct(
     Variants(variants={k: variant_record(v) for k, v in built.items()}, axis_sizes=sizes).write(out / "variants.json")
     return {
         "calibration": source,
-        "variants": {k: _shown(out, built[k]) | ({"baseline": BASELINE} if k not in variants else {}) for k in made},
+        "variants": {
+            k: _shown(out, built[k])
+            | ({"baseline": BASELINE} if k not in variants else {})
+            | ({"float_tables": tables} if tables and k == "int8" else {})
+            for k in made
+        },
         "failed": {k: e.message for k, e in failed.items()},
         "missing": missing_error(failed, made),
     }

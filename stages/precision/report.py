@@ -36,6 +36,8 @@ def report_section(precision: Any) -> list[str]:
         for name, v in variants.items():
             if v.get("graph"):
                 out += ["", f"`{name}`: {v['graph']}."]
+            if v.get("float_tables"):
+                out += ["", f"`{name}`: {v['float_tables']}."]
             if "ort_cpu_scheme" in v and not v.get("ort_cpu_unmade"):
                 out += [
                     "",

@@ -55,6 +55,7 @@ from kiln.stages.precision.node_errors import (
 )
 from kiln.stages.precision.provenance import torch_modules
 from kiln.stages.precision.report import ort_cpu_left, vs_fp32_text
+from kiln.stages.precision.tables import float_tables_hint
 from kiln.stages.precision.variants import (
     Carried,
     NotMade,
@@ -140,6 +141,9 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
             variants[as_given] = carried.as_given(src, ctx.out / as_given / "model.onnx")
         errors = {**left, **errors}
         failed = {p: e.message for p, e in errors.items()}
+        tables = float_tables_hint(src.model, ccfg) if "int8" in variants else None
+        if tables:
+            ctx.log.warning(tables)
         x_val = check.samples if check is not None else {}
         modules = torch_modules(src.model, *_export_graph(ctx))
         node_report = (
@@ -177,6 +181,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
             **(_ort_cpu_summary(e["ort_cpu"]) if "ort_cpu" in e else {}),
             **({"reduce_range": True} if e.get("calibration", {}).get("reduce_range") else {}),
             **({"graph": e["graph"]} if "graph" in e else {}),
+            **({"float_tables": tables} if tables and v == "int8" else {}),
             **{k: e[k] for k in ("unmade", "ort_cpu_unmade", "backend_paths") if e.get(k)},
             # the report says which engines an unmade graph leaves: the torch backend's need a PyTorch model
             **({"pytorch_model": True} if e.get("unmade") and torch_model_named(ctx.config.model) else {}),
