@@ -43,6 +43,12 @@ STATISTICS: dict[str, str] = {
     "worst_class": "of such logits, the class the reference predicts whose positions agree least (class_agreement)",
     "worst_class_agreement": "that class's agreement: the share of the positions where the reference says it at "
     "which the candidate says it too (its recall), over every position (or the labelled ones), ties agreeing",
+    "systematic_err": "the systematic part of the error, of the least-squares line of the candidate's values on the "
+    "reference's: sqrt((slope - 1)^2 + (shift / d)^2), d what rel_err is over (the spread between samples, or the "
+    "RMS), less what noise alone puts on the line (systematic); none for an output without a batch axis or of "
+    "integer categories",
+    "slope": "the slope of that line: the candidate's values over the reference's (1.0: no scale error)",
+    "shift": "the mean of candidate - reference, in the output's own units (0.0: no offset)",
     "levels": "of an integer output that holds levels of a quantity (integer_levels: uint8 pixel values), its count "
     "of distinct values; it is then held to its error as a float output is, not to its share of equal values",
 }
@@ -106,6 +112,9 @@ class OutputStats:
     worst_class: int | None = None  # ...the class the reference predicts that agrees least
     worst_class_agreement: float | None = None  # ...and its agreement (recall)
     agreement: Agreement = "top1"
+    systematic_err: float | None = None  # the error's systematic part (systematic), over what rel_err is over
+    slope: float | None = None  # ...the slope of the line of the candidate's values on the reference's
+    shift: float | None = None  # ...and the mean error, in the output's units
 
     def as_dict(self) -> dict[str, float | None]:
         """The statistics (:data:`STATISTICS`) by name, as records keep them: numbers only."""
@@ -150,7 +159,66 @@ def compare_arrays(
         agreement, ties = (None, None) if count else _top1(r, g, rel_tie, where, shared, binary_at)
     sample, row = _worst_sample(sample_cosines(r, g, shared))
     errors = _max_abs_err(rf, gf), _rel_err(rf, gf)
-    return OutputStats(*errors, _cosine(rf, gf), agreement, ties, sample, row, levels=count)
+    line = systematic_of(rf, gf, float(np.sqrt(np.mean(rf**2))) if rf.size else 0.0)
+    return OutputStats(*errors, _cosine(rf, gf), agreement, ties, sample, row, levels=count, **line)
+
+
+# The fewest values a line through (reference, candidate) is fitted to: two fix any line, and the noise on it is
+# measured on the rest
+SYSTEMATIC_MIN_VALUES = 3
+# Of the fitted slope and mean error, this many standard errors (from the rest of the error, the noise) are what noise
+# alone may give, and are not counted as systematic: a small or noisy output is not called biased by its noise
+SYSTEMATIC_SIGMAS = 2.0
+
+
+@dataclass(frozen=True)
+class Systematic:
+    """The line a candidate's values follow against the reference's (:func:`systematic`): its ``slope`` and
+    ``shift`` (the mean of candidate - reference), and the squares of the scale error (slope - 1) and of the shift
+    with what noise alone may give each taken off (``scale_sq``, ``shift_sq``: :data:`SYSTEMATIC_SIGMAS`)."""
+
+    slope: float
+    shift: float
+    scale_sq: float
+    shift_sq: float
+
+    def size(self, over: float) -> float:
+        """The systematic error ``over`` a scale of the output (its spread between samples, or its RMS):
+        sqrt((slope - 1)^2 + (shift / over)^2), a scale error counted as the share it scales every value by,
+        whatever the level the values sit on, and an offset as its share of that scale."""
+        return float(np.sqrt(self.scale_sq + self.shift_sq / max(over, 1e-12) ** 2))
+
+
+def systematic(ref: np.ndarray, got: np.ndarray) -> Systematic | None:
+    """The systematic part of ``got - ref`` (one shape, values compared only): the least-squares line got = a ref +
+    b, as its slope a and its mean error, mean(got - ref), which the centred fit keeps apart. Rounding and
+    quantization noise scatters around got = ref; a wrong scale (a calibrated range off, a normalization lost) or
+    offset (a bias dropped) moves every sample alike, which cosine cannot see (a scale keeps the direction) and
+    rel_err's noise allowance lets through. The slope is a share of every value, not of their spread: an output on
+    a level far above how it varies (a random model's, a forecast of a series around 300) scaled by 0.1 % is 0.1 %
+    off, where against its spread the level would make it a large error. What noise alone may put on each
+    (:data:`SYSTEMATIC_SIGMAS` standard errors of the fitted slope and mean, from the rest of the error) is taken
+    off. None: under :data:`SYSTEMATIC_MIN_VALUES` values, or a value not finite."""
+    r, g = np.asarray(ref, dtype=np.float64).ravel(), np.asarray(got, dtype=np.float64).ravel()
+    n = r.size
+    if n < SYSTEMATIC_MIN_VALUES or not (np.isfinite(r).all() and np.isfinite(g).all()):
+        return None
+    err, centred = g - r, r - r.mean()
+    var, shift = float(np.mean(centred**2)), float(np.mean(err))
+    tilt = float(np.mean(err * centred)) / var if var > 0 else 0.0  # slope - 1
+    noise = max(float(np.mean(err**2)) - tilt**2 * var - shift**2, 0.0) / (n - 2)  # the variance of a mean of n
+    noise *= SYSTEMATIC_SIGMAS**2
+    scale_sq = max(tilt**2 - noise / var, 0.0) if var > 0 else 0.0
+    return Systematic(1.0 + tilt, shift, scale_sq, max(shift**2 - noise, 0.0))
+
+
+def systematic_of(ref: np.ndarray, got: np.ndarray, over: float) -> dict[str, float | None]:
+    """:class:`OutputStats`' ``systematic_err`` (:meth:`Systematic.size` ``over`` the given scale: the output's RMS,
+    or its spread between samples), ``slope`` and ``shift``; each None where there is no line to fit."""
+    line = systematic(ref, got)
+    if line is None:
+        return {"systematic_err": None, "slope": None, "shift": None}
+    return {"systematic_err": line.size(over), "slope": line.slope, "shift": line.shift}
 
 
 def integer_levels(ref: np.ndarray) -> int | None:

@@ -693,6 +693,7 @@ class Baseline(Part):
     compared: list[str] = Field(default_factory=list)  # the outputs every engine is compared on
     shapes: list[dict[str, int]] = Field(default_factory=list)  # dynamic axis sizes validated at (besides batch)
     scored_at: dict[str, int] | None = None  # the dynamic axis sizes accuracy and the metric are measured at
+    own_sizes: dict[str, int] | None = None  # the data's own dynamic axis sizes (the held-out inputs as given)
     memory: Memory | None = None
     error: str | None = None  # why this baseline has no numbers (e.g. torch.compile failed, no CUDA for torch)
 
@@ -780,6 +781,10 @@ class ValidationResult(Record, Summary):
     dropped: list[str] = Field(default_factory=list)
     # outputs whose rows depend on the whole batch or are not the samples (kiln.stages.accuracy.check.batch_coupled)
     batch_coupled: list[str] = Field(default_factory=list)
+    # where the reference answers one class at every held-out row or position (an untrained model, or one that
+    # predicts the prior): which, in words ("decides negative at all 512 rows of output 'logits'"); accuracy is then
+    # that class's share and top-1 agreement asks only to keep it (kiln.stages.accuracy.check.Reference.one_class)
+    one_class: str | None = None
 
     def gate_failures(self) -> list[str]:
         return [] if self.passed else self.failures or ["see report.md"]

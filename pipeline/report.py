@@ -94,6 +94,7 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
                 "timing",
                 "peaks",
                 "batch_coupled",  # report.md says those outputs are served unbatched
+                "one_class",  # the Result line says a pass on it rests on the class's share
             )
             if k in validation
         }
@@ -151,6 +152,8 @@ def result_line(report: dict[str, Any]) -> str:
     if unvalidated is not None:
         return unvalidated
     verdict = "PASSED" if report["ok"] else "FAILED"
+    if report.get("validation") and report.get("inputs", {}).get("kind") == "random":
+        verdict += " on RANDOM inputs (no data: agreement on random arrays says little about real ones)"
     engines = (report.get("validation") or {}).get("engines", [])
     unchecked = [e for e in engines if e.get("status") != "validated"]
     if unchecked:
@@ -165,7 +168,27 @@ def result_line(report: dict[str, Any]) -> str:
             f"{'they' if many else 'it'} will run)"
         )
     missing = [*_missing_precisions(report, engines), *_unmade_graph_engines(report, engines)]
-    return verdict + "".join(f"; {why}" for why in missing)
+    return verdict + "".join(f"; {why}" for why in missing) + _one_class(report)
+
+
+def _one_class(report: dict[str, Any]) -> str:
+    """What qualifies the verdict where the reference answers one class at every held-out row or position
+    (``one_class``): accuracy is then that class's share and top-1 agreement asks an engine only to keep it, which
+    one answering a constant does, so a pass says little until a metric that ranks the rows gates it. Said where
+    the verdict is read, not only in the log; empty where the reference answers more than one class."""
+    v = report.get("validation") or {}
+    if not v.get("one_class"):
+        return ""
+    metric = (v.get("baseline") or {}).get("metric_name")
+    gate = (
+        f"validate.metric ({metric}) is the gate that counts"
+        if metric and not (v.get("baseline") or {}).get("metric_default")
+        else "check that the model is trained, or gate by a ranking metric (validate.metric: a ROC AUC of the logit)"
+    )
+    return (
+        f" — {'but' if report['ok'] else 'and'} the reference {v['one_class']}: its accuracy is that class's share "
+        f"and top-1 agreement only asks an engine to keep it, which one answering a constant does; {gate}"
+    )
 
 
 def _unvalidated(report: dict[str, Any]) -> str | None:
@@ -333,6 +356,9 @@ def times_line(report: dict[str, Any]) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     lines = [f"# Kiln report: {report['name']}", "", f"**Result: {result_line(report)}**", ""]
+    random = report.get("validation") and report.get("inputs", {}).get("kind") == "random"
+    if random:  # under the verdict it qualifies, not after the tables
+        lines += [f"**Inputs: {report['inputs']['note']}** (give data.name for real ones).", ""]
     if "error" in report:
         lines += [f"> {report['error']}", ""]
     lines += ["## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
@@ -349,9 +375,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         ]
     validation = validation_of(report)
     if validation is not None:  # the verdict first, then each stage's own section in pipeline order
-        lines += validate_section(validation, report.get("metric_higher_is_better"))
-        if report.get("inputs", {}).get("kind") == "random":
-            lines += ["", f"**Inputs: {report['inputs']['note']}** (give data.name for real ones)."]
+        lines += validate_section(validation, report.get("metric_higher_is_better"), random=bool(random))
     for stage in STAGES:
         summary = _typed(stage, report["stages"].get(stage.name, {}).get("summary"))
         if stage.report is not None and summary is not None and stage.name != "validate":

@@ -27,6 +27,7 @@ from kiln.core.compare import (
     integer_levels,
     masks_of,
     set_aside,
+    systematic_of,
     value_ordered,
     worst,
 )
@@ -304,7 +305,8 @@ def relative_to_spread(
     the two) stays, as does the error of an output with no spread measured (one row; nothing but masks). The class
     ``logits`` keep the error over their norm: what it holds is their scale (the softmax's confidence), which an
     offset every class shares does not change, and logits that barely vary between samples (a model little
-    trained) would otherwise make FP16's rounding a large error."""
+    trained) would otherwise make FP16's rounding a large error. The error's systematic part
+    (:func:`~kiln.core.compare.systematic`) is over what the error is over."""
     out = dict(stats)
     for name, s in stats.items():
         if s.cosine is None or name not in spread or name == logits or not np.isfinite(s.rel_err):
@@ -312,7 +314,8 @@ def relative_to_spread(
         r, g = np.asarray(ref[name], dtype=np.float64), np.asarray(got[name], dtype=np.float64)
         kept = ~set_aside(ref[name], got[name])
         err = float(np.sqrt(np.mean((g[kept] - r[kept]) ** 2))) if kept.any() else 0.0
-        out[name] = replace(s, rel_err=err / spread[name], norm_rel_err=s.rel_err)
+        line = systematic_of(r[kept], g[kept], spread[name])  # its systematic part over the same spread
+        out[name] = replace(s, rel_err=err / spread[name], norm_rel_err=s.rel_err, **line)
     return out
 
 
@@ -445,6 +448,7 @@ def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[st
                 _most(t.levels, s.levels),
                 *_worse_class(t, s),
                 "decision" if "decision" in (t.agreement, s.agreement) else "top1",
+                *_worse_line(t, s),
             )
             notes = {k: pick(getattr(t, k, None), getattr(b[name], k, None), k in LOWEST) for k in NOTES}
             if any(v is not None for v in notes.values()):
@@ -461,6 +465,13 @@ def _worse_class(a: OutputStats, b: OutputStats) -> tuple[float | None, int | No
     ):
         return b.top_class_share, b.worst_class, b.worst_class_agreement
     return a.top_class_share, a.worst_class, a.worst_class_agreement
+
+
+def _worse_line(a: OutputStats, b: OutputStats) -> tuple[float | None, float | None, float | None]:
+    """The larger of two systematic errors, with the slope and shift it was measured with (NaN is worst)."""
+    x, y = a.systematic_err, b.systematic_err
+    b_worse = x is None or (y is not None and (np.isnan(y) or (not np.isnan(x) and y > x)))
+    return (b.systematic_err, b.slope, b.shift) if b_worse else (a.systematic_err, a.slope, a.shift)
 
 
 def _most(a: int | None, b: int | None) -> int | None:
@@ -805,6 +816,17 @@ def rel_err_limits(
     return {n: derived_rel_err(gates) for n in floats if n not in exempt}
 
 
+def systematic_limits(
+    per_output: dict[str, dict[str, Any]], gates: dict[str, Any], precision: str = "fp32"
+) -> dict[str, float]:
+    """Each output's limit of its error's systematic part (``max_systematic_err``; none where it is null): the
+    outputs :func:`rel_err_limits` holds, whose values (scale and level too) are the answer. By default that spares
+    an 8-bit engine's softmax class logits: their calibrated ranges may move their scale as a whole, which is a
+    line off got = ref, and top-1 agreement and the accuracy guard them."""
+    limit = gates.get("max_systematic_err")
+    return {} if limit is None else dict.fromkeys(rel_err_limits(per_output, gates, precision), limit)
+
+
 def holds_floats(stats: dict[str, Any]) -> bool:
     """Whether an output's recorded statistics are a float output's, held to its cosine and errors: it has a cosine,
     or no share of equal values (an output without a batch axis, a 0-D loss, has neither: one value has no
@@ -920,6 +942,7 @@ class Reference:
     values per position of, scored at the data's own sizes only (:func:`output_followed`)."""
 
     followed: str | None = None
+    one_class: str | None = None  # the reference answers one class everywhere, in words (:meth:`_say_one_class`)
 
     def __init__(
         self,
@@ -1111,14 +1134,14 @@ class Reference:
                 top.size,
             )
         else:
+            where = "rows" if top.ndim == 1 else "positions"
+            self.one_class = (
+                f"puts class {int(top.flat[0])} of output '{self.logits}' on top at all {top.size} of its {where}"
+            )
             log.warning(
-                "the reference puts class %d of output '%s' on top at all %d of its %s: top-1 agreement only asks an "
-                "engine to keep it there, which a wrong engine may still do; check that the model is trained, or "
-                "gate by a metric that reads the rest (validate.metric)",
-                int(top.flat[0]),
-                self.logits,
-                top.size,
-                "rows" if top.ndim == 1 else "positions",
+                "the reference %s: top-1 agreement only asks an engine to keep it there, which a wrong engine may "
+                "still do; check that the model is trained, or gate by a metric that reads the rest (validate.metric)",
+                self.one_class,
             )
 
     def _say_one_side(self, logits: np.ndarray, at: float) -> None:
@@ -1130,13 +1153,12 @@ class Reference:
         decisions = np.asarray(logits).reshape(-1) > at
         if decisions.size < MIN_ONE_CLASS or not (decisions == decisions[0]).all():
             return
+        side = "positive" if decisions[0] else "negative"
+        self.one_class = f"decides {side} at all {decisions.size} rows of output '{self.logits}'"
         log.warning(
-            "the reference decides %s at all %d rows of output '%s' (every value %s %g): decision agreement only asks "
-            "an engine to keep them on that side, which an engine answering a constant does; check that the model is "
-            "trained%s",
-            "positive" if decisions[0] else "negative",
-            decisions.size,
-            self.logits,
+            "the reference %s (every value %s %g): decision agreement only asks an engine to keep them on that side, "
+            "which an engine answering a constant does; check that the model is trained%s",
+            self.one_class,
             "above" if decisions[0] else "at or below",
             at,
             f"; validate.metric ({self.metric.name}) is the gate that counts here, held by max_metric_drop"
@@ -2034,7 +2056,8 @@ def compare_on(
 
 
 def _batch_wide(stats: OutputStats) -> OutputStats:
-    """The statistics of one spot-check batch that hold for any rows: without the rates over the held-out rows."""
+    """The statistics of one spot-check batch that hold for any rows: without the rates over the held-out rows,
+    or the line of the engine's values on the reference's through them."""
     return replace(
         stats,
         top1_agreement=None,
@@ -2044,6 +2067,9 @@ def _batch_wide(stats: OutputStats) -> OutputStats:
         top_class_share=None,
         worst_class=None,
         worst_class_agreement=None,
+        systematic_err=None,  # a line through one batch's few rows fits their own noise (one sample's error)
+        slope=None,
+        shift=None,
     )
 
 
@@ -2056,7 +2082,8 @@ def accuracy_failures(
 ) -> list[str]:
     """Each accuracy gate ``entry`` misses, as a sentence naming the value and its threshold (NaN fails every
     gate): cosine (of the whole output, and of its worst sample: ``min_cosine`` holds for each sample), max abs
-    error and relative error (:func:`rel_err_limits`) per output, top-1 agreement of the class logits (flips on
+    error, relative error (:func:`rel_err_limits`) and, where that passes, the error's systematic part (a scale or
+    offset: :func:`systematic_limits`) per output, top-1 agreement of the class logits (flips on
     ties counted as agreeing: :mod:`kiln.core.compare`), the task accuracy's drop and the metric's. The per-output
     gates hold the outputs ``gates["gated_outputs"]`` lists (:func:`gated_outputs`; every output where it is None or
     absent): an output the user reads no answer from (an encoder's hidden state) keeps its figures in the entry."""
@@ -2066,6 +2093,7 @@ def accuracy_failures(
     }
     gated = gated_outputs(gates.get("gated_outputs"), list(per_output)) if entry.outputs else set(per_output)
     rel_limits = rel_err_limits(per_output, gates, entry.precision)
+    line_limits = systematic_limits(per_output, gates, entry.precision)
     for name, s in per_output.items():  # per output: the worst one must pass (named when the model has several)
         if name in gated:
             # "of its values equal" needs an "it", and an integer output held to its error says so
@@ -2073,7 +2101,10 @@ def accuracy_failures(
             others = [n for n in per_output if n in gated and n != name]
             accept = _accepting(name if named else "", entry.precision, others)
             where = f"output '{name}' {_levels_said(s)}" if named else ""
-            fails += _output_failures(where, s, gates, rel_limits.get(name), accept, entry.precision)
+            said = _output_failures(where, s, gates, rel_limits.get(name), accept, entry.precision)
+            if not any(f.startswith(f"{where}relative error ") for f in said):  # an error too large already fails
+                said += _systematic_failures(where, s, line_limits.get(name), entry.precision)
+            fails += said
     logits = [n for n, s in per_output.items() if s["cosine"] is not None and s.get("top1_agreement") is not None]
     top1 = entry.top1_agreement if not logits or logits[0] in gated else None  # the class logits' own
     if top1 is not None and not top1 >= gates["min_top1_agreement"] - COUNT_SLACK:
@@ -2282,6 +2313,26 @@ def _over_spread(stats: dict[str, Any], accept: str, precision: str = "fp32") ->
         f"{norm / stats['rel_err']:.2%} of its RMS; over its norm the error is {norm:.2g}{beyond}: held-out inputs "
         f"that vary more measure it better{f'; to accept it, set {accept}' if accept else ''})"
     )
+
+
+def _systematic_failures(where: str, s: dict[str, Any], limit: float | None, precision: str) -> list[str]:
+    """The systematic part of one output's error over ``limit`` (``max_systematic_err``), said with the line the
+    engine's values follow (:func:`~kiln.core.compare.systematic`): their scale against the reference's and their
+    mean offset, in plain words, since that is what a user goes looking for (a calibrated range, a bias)."""
+    err = s.get("systematic_err")
+    if limit is None or err is None or err <= limit or within_rounding(s, precision, limit):
+        return []  # an error within the precision's own rounding over the norm holds no line worth naming
+    slope, shift = s.get("slope"), s.get("shift")
+    scale = "off scale" if slope is None else f"{slope:.4g}x the reference's"
+    scale = "at the reference's scale" if slope is not None and abs(slope - 1) < 5e-4 else scale
+    offset = f"{shift:+.4g} on average (in the output's units)" if shift is not None else "off"
+    over = "over its norm" if s.get("norm_rel_err") is None else "over how the reference varies between samples"
+    return [
+        f"{where}systematic error {err:.4g} > max_systematic_err {limit:.4g}: the engine's values are {scale} and "
+        f"off by {offset}, an error of {err:.2%} {over} made alike on every sample, which is no rounding noise: "
+        "look for a wrong scale or offset (a calibrated range, a dropped bias or normalization); to accept it, set "
+        f"validate.gates.per_precision.{precision}.max_systematic_err"
+    ]
 
 
 def _over_norm(stats: dict[str, Any]) -> str:

@@ -41,11 +41,28 @@ BUILTIN_METRICS = (
 )
 
 
+# max_systematic_err's defaults (kiln.core.compare.systematic): several times the systematic part real engines of
+# each precision carry, and under a scale of x1.05 (0.05) or an offset a user would call a broken engine
+SYSTEMATIC_FP32 = 0.002
+SYSTEMATIC_FP16 = 0.01
+SYSTEMATIC_8BIT = 0.03
+
+
 def _default_per_precision() -> dict[str, dict[str, float]]:
     return {
-        "fp16": {"min_cosine": 0.999},
-        "int8": {"min_cosine": 0.99, "min_top1_agreement": 0.97, "max_accuracy_drop": 0.02},
-        "fp8": {"min_cosine": 0.99, "min_top1_agreement": 0.97, "max_accuracy_drop": 0.02},  # as INT8: 8 bits
+        "fp16": {"min_cosine": 0.999, "max_systematic_err": SYSTEMATIC_FP16},
+        "int8": {
+            "min_cosine": 0.99,
+            "min_top1_agreement": 0.97,
+            "max_accuracy_drop": 0.02,
+            "max_systematic_err": SYSTEMATIC_8BIT,
+        },
+        "fp8": {  # as INT8: 8 bits
+            "min_cosine": 0.99,
+            "min_top1_agreement": 0.97,
+            "max_accuracy_drop": 0.02,
+            "max_systematic_err": SYSTEMATIC_8BIT,
+        },
     }
 
 
@@ -67,6 +84,17 @@ class GatesConfig(Section):
         "null = sqrt(2 * (1 - min_cosine)), the error min_cosine allows in any direction (cosine alone misses an "
         "offset or a scale), for every float output; the class logits' error is over their norm, and in INT8/FP8 "
         "engines only a set max_rel_err holds them (top-1 agreement guards them there)",
+    )
+    max_systematic_err: float | None = Field(
+        SYSTEMATIC_FP32,
+        ge=0,
+        description="the systematic part of each float output's error vs PyTorch, from the least-squares line of the "
+        "engine's values on the reference's: sqrt((slope - 1)^2 + (mean(got - ref) / d)^2), d what max_rel_err's "
+        "error is over, less what noise alone may give (kiln.core.compare 'systematic_err'). Rounding and "
+        "quantization scatter around got = ref; a scale or an "
+        "offset (a wrong calibrated range, a dropped bias) is on the line for every sample, which cosine cannot see "
+        "and max_rel_err's noise allowance passes. Held by the outputs max_rel_err holds (unless it is set, not an "
+        "INT8/FP8 engine's softmax class logits); null = unchecked",
     )
     min_top1_agreement: float = Field(
         0.99,

@@ -72,10 +72,10 @@ def _computes_otherwise(failures: Sequence[str]) -> bool:
     return any("< min_cosine" in f or "< min_top1_agreement" in f for f in failures)
 
 
-def report_section(v: ValidationResult, higher_is_better: bool | None = None) -> list[str]:
+def report_section(v: ValidationResult, higher_is_better: bool | None = None, random: bool = False) -> list[str]:
     """Validation's part of report.md: the reference, each engine against it, and what failed.
     ``higher_is_better``: ``validate.metric_higher_is_better`` of the run that validated, the direction its gate
-    judged ``validate.metric`` by (None: the metric's own)."""
+    judged ``validate.metric`` by (None: the metric's own); ``random``: the samples are random arrays, not data."""
     b = v.baseline
     sizes = _sizes(v)
     # a model without class logits (float targets) is held to each output's relative error: a column of its own
@@ -86,9 +86,10 @@ def report_section(v: ValidationResult, higher_is_better: bool | None = None) ->
         "",
         f"## Validation against {against}",
         "",
-        f"Accuracy reference: {_reference(b)} on the CPU, {_scored(b)} on {b.samples} held-out "
-        f"samples{_scored_at(b)}. Speedups are against {against + ' in ONNX Runtime' if onnx_file else against} on the "
-        f"engine's own device{'' if onnx_file else ' (eager; other baselines below)'}.",
+        f"Accuracy reference: {_reference(b)} on the CPU, {_scored(b)} on {b.samples} "
+        f"{'random' if random else 'held-out'} samples{_scored_at(b)}. Speedups are against "
+        f"{against + ' in ONNX Runtime' if onnx_file else against} on the engine's own device"
+        f"{'' if onnx_file else ' (eager; other baselines below)'}.",
         *_compared(v),
         *_narrower(v),
         "",
@@ -307,7 +308,7 @@ def _scored(b: Any) -> str:
     """The reference's score as the report's first line says it: its accuracy, or where it has none (float
     targets, a regression) and a metric scored it, that metric (``mse 0.7413``)."""
     if b.accuracy is None and b.metric is not None:
-        return f"{b.metric_name or DEFAULT} {fmt(b.metric, '.4g')}"
+        return f"{b.metric_name or DEFAULT} {metric_text(b.metric)}"
     return f"accuracy {fmt(b.accuracy)}"
 
 
@@ -323,13 +324,13 @@ def _metric(v: ValidationResult, higher_is_better: bool | None = None) -> list[s
     source = "the default for float targets: validate.metric is unset" if default else "validate.metric"
     metric = _resolved(name, b.metric_scale, None if default else higher_is_better)
     scored = [e for e in v.engines if e.metric is not None]
-    per = "; ".join(f"{e.name} {fmt(e.metric, '.4g')}{_metric_drop(metric, b.metric, e)}" for e in scored)
+    per = "; ".join(f"{e.name} {metric_text(e.metric)}{_metric_drop(metric, b.metric, e)}" for e in scored)
     if b.labelled_positions == 0:  # labels per position that fit no validated shape (said above)
         per = "not measured: the labels fit no validated size"
     limits = {e.gates.get("max_metric_drop") for e in scored} - {None}
     limit = limits.pop() if len(limits) == 1 else None  # gates per precision that differ: each beside its engine
     gate = _metric_gate(name, metric, b.metric, limit)
-    return ["", f"Metric `{name}` ({source}): reference {fmt(b.metric, '.4g')}; {per}. {gate}"]
+    return ["", f"Metric `{name}` ({source}): reference {metric_text(b.metric)}; {per}. {gate}"]
 
 
 def _resolved(name: str, scale: float | None, higher_is_better: bool | None = None) -> Metric | None:
@@ -396,7 +397,14 @@ def _metric_drop(metric: Metric | None, baseline: float | None, e: EngineValidat
     relative = metric.relative and (metric.scale or baseline != 0)
     worse = "drop" if metric.higher_is_better else "rise"
     what = f"relative {worse}" if relative else worse
-    return f" ({what} {metric.drop(baseline, e.metric):.4g}{', ' + gate if gate else ''})"
+    return f" ({what} {metric_text(metric.drop(baseline, e.metric))}{', ' + gate if gate else ''})"
+
+
+def metric_text(value: float | None) -> str:
+    """A metric's value or drop for report.md: four significant digits, always with a decimal point or an exponent
+    (``1.0``, ``24.9``, ``1.1e+06``), so that a float is not read as a whole number or a count; ``-`` when absent."""
+    said = fmt(value, ".4g")
+    return said if value is None or any(c in said for c in ".en") else f"{said}.0"  # "n": nan and inf
 
 
 def _vs_baselines(v: ValidationResult) -> list[str]:
@@ -670,12 +678,13 @@ def _measured_on_logits(v: ValidationResult) -> str:
 
 
 def _padded(b: Any) -> str:
-    """How the held-out inputs were made at validated sizes other than the data's own (where accuracy was measured),
+    """How the held-out inputs were made at validated sizes other than the data's own (``own_sizes``; a record of
+    before them: where accuracy was measured),
     which the gates judge too: past it they are lengthened (their values repeated along the axis: token ids with
     their mask; float copies shifted slightly, :func:`kiln.core.shapes.copy_step`); below it they are cut, keeping
     their first positions (the last where rows are padded on the left), so a smaller size sees only the start of
     each sample: a cloud's first points, a sorted one's bottom slice."""
-    own = getattr(b, "scored_at", None) or {}
+    own = getattr(b, "own_sizes", None) or getattr(b, "scored_at", None) or {}
     past = [p for p in b.shapes if any(p.get(k, 0) > v for k, v in own.items())]
     below = [p for p in b.shapes if any(k in p and p[k] < v for k, v in own.items())]
     data = _point(dict(sorted(own.items())))

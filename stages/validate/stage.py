@@ -62,6 +62,8 @@ from kiln.stages.accuracy.check import (
     gates_for,
     held_out,
     held_out_reference,
+    own_feed,
+    own_point,
     reference_nan,
     regression,
     sample_batch,
@@ -574,22 +576,34 @@ def kept_note(kept: str, faster: str, ratio: float, ci: tuple[float, float], mar
     return f"{said}: {kept} kept (listed first: backend preference, then name)"
 
 
-def warn_few_rows(log: logging.Logger, n: int, max_samples: int | None) -> None:
+def warn_few_rows(log: logging.Logger, n: int, max_samples: int | None, positions: int | None = None) -> None:
     """Warn where the engines are compared on fewer than :data:`FEW_ROWS` held-out rows: every statistic the gates
     judge (cosine, the worst sample's, errors, top-1 agreement, the metric) is then of that few samples, and an
     engine wrong on most inputs may agree with its reference on them (as ``kiln validate`` warns of short
-    ``--inputs``)."""
-    if n >= FEW_ROWS:
+    ``--inputs``). ``positions``: where labels are per position (a node classifier's one graph), how many carry one,
+    which top-1 agreement and accuracy count: enough of them are enough samples, and fewer are said beside the
+    rows."""
+    if n >= FEW_ROWS or (positions is not None and positions >= FEW_ROWS):
         return
     capped = max_samples is not None and max_samples <= n
+    rows = "1 held-out row" if n == 1 else f"{n} held-out rows"
     log.warning(
         "validation compares the engines on only %s (%s): their agreement with the reference is measured on that "
-        "few samples. Give at least %d rows: %s",
-        "1 held-out row" if n == 1 else f"{n} held-out rows",
+        "few samples. Give at least %d rows%s: %s",
+        rows if positions is None else f"{rows} holding {positions} labelled positions",
         f"validate.max_samples {max_samples}" if capped else "the data's held-out split holds no more",
         FEW_ROWS,
+        "" if positions is None else f" or {FEW_ROWS} labelled positions",
         "raise validate.max_samples" if capped else "a larger held-out split (data.name)",
     )
+
+
+def own_sizes(ref: Reference, data: DatasetSplits, n: int) -> dict[str, int] | None:
+    """The data's own size of each dynamic axis (its held-out inputs as given), which the report says the inputs
+    at other validated sizes were cut or lengthened from; None where no dynamic axis is validated."""
+    if not any(point for point, _ in ref.feeds):
+        return None
+    return own_point(own_feed(data, ref.feeds, n), ref.axes) or None
 
 
 def torch_reference(
@@ -888,8 +902,9 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     )
     accuracy = ref.accuracy
     n = feed_rows(ref.feed)
+    labelled = ref.labelled(ref.score) if ref.score is not None else None
     if not on_random_inputs(ctx.config.model, ctx.config.data):
-        warn_few_rows(ctx.log, n, cfg.max_samples)
+        warn_few_rows(ctx.log, n, cfg.max_samples, None if labelled is None else int(labelled.sum()))
     dirs = engine_dirs(ctx.inputs["build"])
     metas = [read_metadata(d) for d in dirs]
     devices = baseline_devices({m.device for m in metas if runnable(m)[0]}, cfg.cpu_baseline)
@@ -900,13 +915,14 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         timers = {bs: _session_timer(model, sample_batch(ref.feed, bs), cfg) for bs in sizes}
         prepared = [(Baseline(backend="onnxruntime", accuracy=None, samples=n, latency_ms={}), timers)]
     baselines = [b for b, _ in prepared]
-    labelled = ref.labelled(ref.score) if ref.score is not None else None
+    data_sizes = own_sizes(ref, data, n)
     cpu = [b for b in baselines if b.device == "cpu" and (b.kind == cfg.baselines[0] or not from_torch)]
     baseline = cpu[0] if cpu else Baseline(accuracy=None, samples=n, latency_ms={})  # computed, not timed, here
     for b in {id(b): b for b in [*baselines, baseline]}.values():
         b.accuracy = accuracy  # the same weights in FP32 (eager or compiled): the CPU reference's accuracy
         b.logits_output, b.compared, b.shapes = ref.logits, list(ref.outputs[-1]), [p for p, _ in ref.feeds if p]
         b.scored_at = ref.feeds[ref.score][0] or None if ref.score is not None else None
+        b.own_sizes = data_sizes
         b.labelled_positions = scored_positions(ref, labelled)
         b.metric, b.metric_name = ref.metric_value, ref.metric.name if ref.metric is not None else cfg.metric
         b.metric_default = ref.metric is not None and ref.metric.default
@@ -1001,6 +1017,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         batch_coupled=_coupled(ctx, ref.coupled),
         timing=timing,
         peaks=peaks,
+        one_class=ref.one_class,
     )
     result.write(ctx.out / "validation.json")
     for e in engines:

@@ -119,8 +119,13 @@ def test_one_per_precision_override_keeps_the_other_defaults() -> None:
     # Before: the override replaced the whole mapping: fp16's min_cosine and int8's other gates were dropped.
     cfg = load_config(None, {"validate.gates.per_precision.int8.min_top1_agreement": 0.95})
     per = cfg.validate_.gates.per_precision
-    assert per["int8"] == {"min_cosine": 0.99, "min_top1_agreement": 0.95, "max_accuracy_drop": 0.02}
-    assert per["fp16"] == {"min_cosine": 0.999}
+    assert per["int8"] == {
+        "min_cosine": 0.99,
+        "min_top1_agreement": 0.95,
+        "max_accuracy_drop": 0.02,
+        "max_systematic_err": 0.03,
+    }
+    assert per["fp16"] == {"min_cosine": 0.999, "max_systematic_err": 0.01}
     dumped = config_from_dict(cfg.dump())  # `kiln config` output reads back the same
     assert dumped.validate_.gates.per_precision == per
 

@@ -8,10 +8,12 @@ import pytest
 
 from kiln.core.records import Baseline, ValidationResult
 from kiln.pipeline.config import config_from_dict
-from kiln.pipeline.report import build_report, render_markdown
+from kiln.pipeline.report import build_report, render_markdown, result_line
 from kiln.pipeline.runner import RunResult, StageRecord
 from tests.conftest import tiny_config_dict
 
+# the result line of a run from an ONNX file without data
+RANDOM = "on RANDOM inputs (no data: agreement on random arrays says little about real ones)"
 VALIDATION = ValidationResult(
     passed=True, baseline=Baseline(accuracy=None, samples=4, latency_ms={}), engines=[], failures=[]
 )
@@ -58,7 +60,6 @@ def test_an_engine_validated_at_fewer_shapes_is_named() -> None:
 
 
 def test_a_precision_asked_for_without_an_engine_is_said_beside_the_verdict() -> None:
-    from kiln.pipeline.report import result_line
 
     why = "int8 not made: 39% of its FLOPs run in int8, under the 50% an engine labelled int8 must run"
     report = {
@@ -85,7 +86,6 @@ def test_a_precision_variant_that_failed_is_said_beside_the_verdict(tmp_path: Pa
     """A variant the precision stage could not make (its summary's ``failed``) has no engine: the run still passes
     with the others, and the result line names the missing precision with the stage's reason."""
     from kiln.core.records import EngineValidation
-    from kiln.pipeline.report import result_line
     from kiln.stages.engines.declaration import BuildSummary, EngineEntry
     from kiln.stages.precision.declaration import PrecisionSummary
 
@@ -106,7 +106,6 @@ def test_a_precision_variant_that_failed_is_said_beside_the_verdict(tmp_path: Pa
 
 
 def test_one_engine_not_validated_here_is_said_in_the_singular() -> None:
-    from kiln.pipeline.report import result_line
 
     engine = {"name": "tensorrt-fp32", "device": "cuda", "status": "not-runnable"}
     line = result_line({"ok": True, "validation": {"engines": [engine]}})
@@ -127,7 +126,6 @@ def test_engines_of_a_graph_not_made_are_named_beside_the_verdict(tmp_path: Path
     """An INT8 Q/DQ graph short of the gates while ONNX Runtime CPU's own INT8 graph passed: int8 has an engine,
     yet the engines that read the Q/DQ graph (TensorRT's) are not built, and the result line names them and why."""
     from kiln.core.records import EngineValidation
-    from kiln.pipeline.report import result_line
     from kiln.stages.engines.declaration import BuildSummary, EngineEntry
     from kiln.stages.precision.declaration import PrecisionSummary
 
@@ -162,7 +160,6 @@ def _run_from_onnx(tmp_path: Path, *sets: str) -> tuple[int, str, str]:
 
     import yaml
 
-    from kiln.pipeline.report import result_line
     from tests.pipeline.test_faults import invoke, tiny_onnx
 
     cfg = tmp_path / "kiln.yaml"
@@ -180,7 +177,7 @@ def test_fp16_skipped_on_the_cpu_is_said_as_an_expected_skip(tmp_path: Path) -> 
     code, line, _ = _run_from_onnx(tmp_path)
     assert code == 0, line
     assert line.startswith(
-        "PASSED; fp16 skipped on CPU, as expected: no fp16 kernels there for onnxruntime-cpu-fp16"
+        f"PASSED {RANDOM}; fp16 skipped on CPU, as expected: no fp16 kernels there for onnxruntime-cpu-fp16"
     ), line
     assert "no fp16 engine" not in line and "is labelled fp16" not in line, line
 
@@ -190,7 +187,7 @@ def test_a_required_precision_skipped_on_the_cpu_is_still_said_missing(tmp_path:
     the build's reason, with no word of it being expected."""
     code, line, output = _run_from_onnx(tmp_path, "precision.required=[fp16]")
     assert code == 3, line
-    assert line.startswith("FAILED; no fp16 engine (engine onnxruntime-cpu-fp16 is labelled fp16"), line
+    assert line.startswith(f"FAILED {RANDOM}; no fp16 engine (engine onnxruntime-cpu-fp16 is labelled fp16"), line
     assert "as expected" not in line, line
     fix = next(x for x in output.splitlines() if x.startswith("fix: "))
     assert "built on a GPU" in fix and "take it out of precision.required" in fix, fix
