@@ -3,8 +3,9 @@ environment. Torch-free, so a run that finds the stage cached does not load torc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 
@@ -21,12 +22,19 @@ class TrainSettings(StageSettings):
     """What the train stage reads: the model and its data, the training settings and the signature (the
     logits output the loss and accuracy use, the dynamic axes the data may vary in)."""
 
-    SOURCES = {"signature": ("signature.dynamic_axes", "signature.logits_output")}
+    SOURCES = {
+        "signature": ("signature.dynamic_axes", "signature.logits_output"),
+        "gated_outputs": "validate.gates.gated_outputs",
+    }
+    # gated_outputs is checked against the model's outputs on the pre-training probe (a typo fails in seconds, not
+    # after precision), and keys nothing: a gate changed does not retrain
+    KEY_VIEWS: ClassVar[dict[str, Callable[[Any], Any]]] = {"gated_outputs": lambda settings: None}
     seed: int
     model: ModelConfig
     data: DataConfig
     train: TrainConfig
     signature: Signature
+    gated_outputs: list[str] | None = None
 
 
 class TrainSummary(Summary):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import inspect
 import itertools
 import logging
@@ -45,7 +46,7 @@ from kiln.core.progress import Progress
 from kiln.core.records import TensorSpec
 from kiln.core.stage import StageContext
 from kiln.core.text import FEATURE_NAMES, first_line, fmt
-from kiln.core.user_errors import running_user_code, user_code_error, user_frame, where
+from kiln.core.user_errors import UserCodeError, running_user_code, user_code_error, user_frame, where
 from kiln.models.determinism import refuse_random
 from kiln.models.model_io import keep_trained, load_weights, read_state_dict, save_trained, torch_model_named
 from kiln.models.registry import build_model
@@ -112,7 +113,10 @@ def train_to(
         else:
             task = task_for(data, config.train.loss, config.signature.logits_output)
     checked = task if task.labels else None  # placeholder labels: nothing of theirs to check against the outputs
-    fitted = check_model_fits_data(probed, data, config.model.name, checked, config.signature.logits_output, probe)
+    gated = config.gated_outputs  # validate.gates.gated_outputs: checked on the probe, keyed by nothing
+    fitted = check_model_fits_data(
+        probed, data, config.model.name, checked, config.signature.logits_output, probe, gated
+    )
     task = fitted or task  # the output the loss reads, chosen on the probe where the config names none
     check_axes_name_inputs(model, data.train_x, config.signature.dynamic_axes)
     del probed
@@ -417,16 +421,18 @@ def check_model_fits_data(
     task: Task | None = None,
     logits_output: str | int | None = None,
     probe_rows: int = 2,
+    gated_outputs: list[str] | None = None,
 ) -> Task | None:
     """One forward pass on two samples (``probe_rows``: fewer where training takes fewer a step: a model of one
     sample a call, a graph given as a batch of one, trains at ``train.batch_size: 1``), so that data which does not
     fit the model fails with a clear message
     before training starts (and not as a traceback from deep inside the loop); ``signature.logits_output`` is one
     of its outputs (a misspelt name was said only at the precision stage, after training, with a loss of the
-    user's that never reads it); and that the model answers the same rows alike from call to call in eval mode
-    (:func:`~kiln.models.determinism.refuse_random`), which the export would refuse only after the training.
-    Returns ``task`` as training should use it: reading the one output shaped like the targets where several
-    outputs leave the loss's unnamed (:func:`_with_target_output`); None where no task was given."""
+    user's that never reads it), as is each of ``validate.gates.gated_outputs`` (``gated_outputs``, which
+    validation would check only after training and the build); and that the model answers the same rows alike from
+    call to call in eval mode (:func:`~kiln.models.determinism.refuse_random`), which the export would refuse only
+    after the training. Returns ``task`` as training should use it: reading the one output shaped like the targets
+    where several outputs leave the loss's unnamed (:func:`_with_target_output`); None where no task was given."""
     check_fp32(model, model_ref)
     x = take(data.train_x if rows(data.train_x) else data.val_x, slice(0, probe_rows))
     check_forward_takes(model, x, model_ref)
@@ -436,6 +442,7 @@ def check_model_fits_data(
     outputs = flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor (or None, left out)
     if logits_output is not None:
         logits_name(list(outputs), logits_output)  # a ConfigError naming the outputs where it is none of them
+    check_gated_outputs(gated_outputs, list(outputs))
     _refuse_outputs_named_like_inputs(model, x, outputs)
     _refuse_labels_in_inputs(model, x, outputs)
     _refuse_random_in_eval(model, x)
@@ -445,6 +452,21 @@ def check_model_fits_data(
         lengths = tuple({d for t in tensors(x) if t.ndim >= 2 for d in t.shape[1:]})  # what labels may follow
         check_task(task, out, y[:probe_rows], data.num_classes, model_ref, _lacks_decoder_inputs(model, x), lengths)
     return task
+
+
+def check_gated_outputs(names: list[str] | None, outputs: list[str]) -> None:
+    """Each of ``validate.gates.gated_outputs`` (``names``; None: every output) is one of the model's ``outputs``, or
+    a ConfigError names the closest and the outputs there are, as a misspelt ``signature.logits_output`` is."""
+    unknown = [n for n in names or () if n not in outputs]
+    if not unknown:
+        return
+    close = {n: difflib.get_close_matches(n, outputs, 1) for n in unknown}
+    meant = [f"'{close[n][0]}' for '{n}'" for n in unknown if close[n]]
+    raise ConfigError(
+        f"validate.gates.gated_outputs names {unknown}, which the model has no output of (its outputs: {outputs})",
+        hint=(f"did you mean {', '.join(meant)}? " if meant else "")
+        + f"list outputs of {outputs} in validate.gates.gated_outputs, or set it to null to gate every output",
+    )
 
 
 def _with_target_output(task: Task, outputs: dict[str, torch.Tensor], y: torch.Tensor, num_classes: int) -> Task:
@@ -511,10 +533,10 @@ def _probe(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, lookup
             return call(model.eval(), x)
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         check_token_ids(model, data, x, lookups)
-        across = _indexed_across_rows(data, x, exc)
+        across = _indexed_across_rows(model, data, x, exc, lookups)
         if across is not None:
             raise _rows_not_samples(model, data, x, model_ref, across, exc) from None
-        raise _cannot_take(model, data, x, model_ref, exc) from None
+        raise _index_error(exc, model_ref) or _cannot_take(model, data, x, model_ref, exc) from None
     except Exception as exc:  # any other error of the user's forward: theirs, named by file and line
         err = user_code_error(exc, "checking the model on two samples of the data", f"model '{model_ref}'", model=True)
         if err is None:
@@ -524,20 +546,42 @@ def _probe(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, lookup
         model.train()
 
 
-def _indexed_across_rows(data: DatasetSplits, x: Any, exc: Exception) -> int | None:
+# torch's messages for an index past the tensor an indexing op reads (``index_select``, ``gather``, ``scatter``,
+# ``index_add``, ``x[idx]``, an embedding); not ``topk``'s "selected index k out of range", which no index input makes
+INDEXING_FAILED = re.compile(r"index out of range in self|index -?\d+ is out of bounds for dimension")
+
+
+def _indexed_across_rows(
+    model: nn.Module, data: DatasetSplits, x: Any, exc: Exception, lookups: EmbeddingLookups
+) -> int | None:
     """The position of an integer input whose values index the split's rows, where the forward failed on the probe
-    rows ``x`` with an index error: values past the probe's rows but within the split's (a neighbour list ``[N, k]``
-    into nodes ``[N, F]``) say the rows are one sample, not independent samples a slice of which the model takes."""
-    if not isinstance(exc, IndexError) and "out of range" not in str(exc) and "out of bounds" not in str(exc):
+    rows ``x`` with an indexing op's error (:data:`INDEXING_FAILED`): values past the probe's rows but within the
+    split's (a neighbour list ``[N, k]`` into nodes ``[N, F]``), an input the probe looked up in no embedding table
+    (token ids are no row indices), and a model that runs on all the split's rows at once, say the rows are one
+    sample, not independent samples a slice of which the model takes. None otherwise: the error is the model's."""
+    if not INDEXING_FAILED.search(str(exc)):
         return None
     full = data.train_x if rows(data.train_x) else data.val_x
     n = rows(full)
-    for i, (part, whole) in enumerate(zip(tensors(x), tensors(full))):
+    found = None
+    for i, (part, whole, before) in enumerate(zip(tensors(x), tensors(full), lookups.before)):
         if part.is_floating_point() or part.is_complex() or part.dtype == torch.bool or not part.numel():
             continue
+        if _tables(part, before, lookups) or _shifted_tables(model, part, before, lookups):
+            continue  # ids of an embedding, not of rows
         if rows(x) <= int(part.max()) and int(whole.min()) >= 0 and int(whole.max()) < n:
-            return i
-    return None
+            found = i
+            break
+    return found if found is not None and _runs(model, full) else None
+
+
+def _index_error(exc: Exception, model_ref: str) -> UserCodeError | None:
+    """An indexing error of the model's own (an index past a tensor, ``topk`` asked for more than it has) as the
+    user's code's error, named by its file and line (:func:`~kiln.core.user_errors.user_code_error`); None for any
+    other error, or one raised where no frame is the user's: the data may be at fault (:func:`_cannot_take`)."""
+    if not isinstance(exc, IndexError) and "out of range" not in str(exc) and "out of bounds" not in str(exc):
+        return None
+    return user_code_error(exc, "checking the model on two samples of the data", f"model '{model_ref}'", model=True)
 
 
 def _rows_not_samples(

@@ -53,3 +53,19 @@ def test_the_view_is_keyed_under_its_section_and_named_when_it_changes(tmp_path:
     parts = [cache_key(STAGE, config_from_dict(tiny_config_dict(**{"train.epochs": n})), tmp_path)[1] for n in (2, 3)]
     assert parts[0]["config"] == {"train": {"epochs": 2}}
     assert what_changed(*parts) == ["config.train"]
+
+
+def test_the_train_stage_reads_gated_outputs_without_keying_on_them(tmp_path: Path) -> None:
+    """Train checks validate.gates.gated_outputs on its probe (a typo fails before training) yet a gate changed
+    retrains nothing: its key holds no trace of them."""
+    from kiln.pipeline.runner import settings_for
+    from kiln.pipeline.stage_list import stage_named
+
+    train = stage_named("train")
+    keys = [
+        cache_key(train, config_from_dict(tiny_config_dict(**{"validate.gates.gated_outputs": g})), tmp_path)[0]
+        for g in (None, ["logits"])
+    ]
+    assert keys[0] == keys[1]
+    config = config_from_dict(tiny_config_dict(**{"validate.gates.gated_outputs": ["logits"]}))
+    assert settings_for(train, config).gated_outputs == ["logits"]
