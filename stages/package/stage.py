@@ -38,6 +38,7 @@ from kiln.stages.package.triton import (
     batchable,
     engine_max_batch,
     first_axes,
+    scalar_tensors,
     stock_model,
     triton_config,
     unbatchable_reason,
@@ -122,7 +123,9 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             "chosen_for_batches": sorted((int(b) for b, n in validation.chosen.items() if n == meta.name)),
         }
         model_name = triton_model_name(ctx.config.name, meta.name)
-        if cfg.triton and stock_model(meta) is not None:
+        if cfg.triton and stock_model(meta) is not None and scalar_tensors(meta):
+            _say_no_stock_scalars(ctx, meta)
+        elif cfg.triton and stock_model(meta) is not None:
             write_stock_model(ctx.out / "triton" / model_name, packaged_dir, meta, max_batch)
             record["triton_model"] = model_name
         if cfg.triton_python:
@@ -187,6 +190,18 @@ def _unbatched(meta: EngineMetadata) -> bool:
     """Whether Triton serves ``meta``'s engine unbatched (:func:`batchable`) for a reason not said apart: inputs in
     counts of their own are (:func:`_say_own_counts`)."""
     return not batchable(meta) and len(first_axes(meta)) <= 1
+
+
+def _say_no_stock_scalars(ctx: StageContext[PackageSettings], meta: EngineMetadata) -> None:
+    """Warn that ``meta``'s engine is left out of ``triton/``: Triton declares its 0-d tensors as ``[1]``, which a
+    stock backend checks against the graph's ``[]`` (:func:`scalar_tensors`); ``triton-python/`` serves it."""
+    ctx.log.warning(
+        "%s: left out of triton/ (Triton's stock backend): its 0-d tensors %s cannot be declared there; "
+        "triton-python/ and `kiln serve` serve it, sending them as [1]; to have the stock backend serve it, "
+        "return them with a batch axis or leave them out of the served model",
+        meta.name,
+        scalar_tensors(meta),
+    )
 
 
 def _say_unbatched(ctx: StageContext[PackageSettings], metas: list[EngineMetadata]) -> None:

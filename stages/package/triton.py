@@ -127,11 +127,25 @@ def _tensors(specs: list[TensorSpec], batched: bool) -> list[dict[str, Any]]:
                 f"tensor '{s.name}' has dtype {s.dtype}, which Kiln cannot declare to Triton",
                 hint=f"export the model with one of {sorted(TRITON_TYPES)} at its inputs and outputs",
             )
-        shape = s.shape[1:] if batched else s.shape
-        out.append(
-            {"name": s.name, "data_type": TRITON_TYPES[s.dtype], "dims": [-1 if _dynamic(d) else d for d in shape]}
-        )
+        out.append({"name": s.name, "data_type": TRITON_TYPES[s.dtype], "dims": _dims(s, batched)})
     return out
+
+
+def _dims(spec: TensorSpec, batched: bool) -> list[int]:
+    """A tensor's ``dims`` as Triton is told them: ``-1`` for a dynamic axis, the batch axis left out where
+    ``batched``. A 0-d tensor (a model's scalar loss or score) is declared ``dims: [ 1 ]``: Triton takes no empty
+    ``dims``, and refuses the ``reshape: { shape: [ ] }`` its docs give for a scalar in a model without batching
+    (``scalar tensors are not supported``), the only kind that holds one (:func:`batchable`). Clients send and
+    receive it as ``[1]``; Kiln's Python-backend model turns it into the engine's ``[]`` and back
+    (:data:`MODEL_PY`); a stock backend cannot (:func:`scalar_tensors`)."""
+    shape = spec.shape[1:] if batched else spec.shape
+    return [-1 if _dynamic(d) else d for d in shape] if shape else [1]
+
+
+def scalar_tensors(meta: EngineMetadata) -> list[str]:
+    """The engine's 0-d inputs and outputs: Triton's stock backends would have to declare them ``[1]`` where the
+    graph has ``[]``, which they refuse, so only the Python-backend model serves such an engine."""
+    return [s.name for s in meta.inputs + meta.outputs if not s.shape]
 
 
 def stock_model(meta: EngineMetadata) -> TritonModel | None:
@@ -205,8 +219,7 @@ def check_config(cfg: dict[str, Any], meta: EngineMetadata) -> None:
         for t, s in zip(cfg[kind], specs):
             if t["data_type"] != TRITON_TYPES.get(s.dtype):
                 problems.append(f"{kind} '{s.name}': {t['data_type']} but the engine takes {s.dtype}")
-            shape = s.shape[1:] if mbs > 0 else s.shape
-            if len(t["dims"]) != len(shape) or any(d != (-1 if _dynamic(e) else e) for d, e in zip(t["dims"], shape)):
+            if t["dims"] != _dims(s, mbs > 0):
                 problems.append(
                     f"{kind} '{s.name}': dims {t['dims']} do not match the engine's {s.shape}"
                     f"{' less its batch axis' if mbs > 0 else ''}"
@@ -276,6 +289,13 @@ def triton_config(model_name: str, meta: EngineMetadata, max_batch_size: int) ->
 
 
 def write_stock_model(target: Path, engine_dir: Path, meta: EngineMetadata, max_batch_size: int) -> None:
+    """``<target>/config.pbtxt`` + ``1/model.{onnx,plan}``: the stock backend's model, for an engine without 0-d
+    tensors (:func:`scalar_tensors`: the package stage leaves such an engine to ``triton-python/``)."""
+    if scalar_tensors(meta):
+        raise ModelError(
+            f"engine {meta.name} has the 0-d tensors {scalar_tensors(meta)}, which stock Triton backends cannot serve",
+            hint="serve it from triton-python/ (`kiln serve`), or return them with a batch axis",
+        )
     (target / "1").mkdir(parents=True)
     _link_or_copy(engine_dir / meta.files["model"], target / "1" / _stock(meta).model_file)
     write_text_atomic(target / "config.pbtxt", triton_config(target.name, meta, max_batch_size))
@@ -342,6 +362,8 @@ class TritonPythonModel:
             warm_buckets(self.runner, self.runner.meta, self.buckets)
         self.inputs = [t["name"] for t in config["input"]]
         self.outputs = {t["name"]: pb_utils.triton_string_to_numpy(t["data_type"]) for t in config["output"]}
+        # a 0-d tensor is declared dims [1] (Triton takes no empty dims): the engine's [] sent as [1], and back
+        self.scalars = {s.name for s in self.runner.meta.inputs + self.runner.meta.outputs if not s.shape}
         # the phases of every execution, as Triton custom metrics (kiln.serve.stub_times); a Triton without custom
         # metrics (an older one, or metrics turned off) serves the model without them
         try:
@@ -355,7 +377,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         start, start_ns = time.perf_counter(), time.monotonic_ns()
-        feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]
+        feeds = [{n: self._input(r, n) for n in self.inputs} for r in requests]
         # a request outside the sizes the engine was validated for (or empty: 0 rows abort ONNX Runtime's LSTM/GRU
         # kernels and this stub; or holding an index past its table) is answered with an error naming them
         refused = [self.runner.meta.refusal(f) for f in feeds]
@@ -370,7 +392,7 @@ class TritonPythonModel:
         ran = time.perf_counter()
         responses = [
             pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor(n, np.ascontiguousarray(answers[i][n], dtype=t)) for n, t in self.outputs.items()])
+                pb_utils.Tensor(n, self._output(answers[i][n], n, t)) for n, t in self.outputs.items()])
             if i in answers else pb_utils.InferenceResponse(error=_error(*refused[i]))
             for i in range(len(requests))
         ]
@@ -388,6 +410,14 @@ class TritonPythonModel:
             except Exception:  # Triton refused a metric update: the answers go out, without timings from now on
                 self.times = None
         return responses
+
+    def _input(self, request, name):
+        array = pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+        return array.reshape(()) if name in self.scalars and array.size == 1 else array
+
+    def _output(self, array, name, dtype):
+        array = np.ascontiguousarray(array, dtype=dtype)
+        return array.reshape(1) if name in self.scalars else array
 
     def _alone(self, feeds, todo, refused, exc):
         """The batch failed: each of its requests alone, so that the one the engine refuses (a token id past the
