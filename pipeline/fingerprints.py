@@ -99,7 +99,8 @@ def slow_call_hint(section: str, what: str, took: float, share: str = "") -> str
     """The hint that user code called only for its hash was slow, naming ``<section>.skip_unchanged`` and what it
     relies on. ``share``: what part of the run the call was, said after its time."""
     return (
-        f"{section}: calling the {what} to hash what it returns took {took:.1f} s{share}; with "
+        f"{section}: calling the {what} to hash what it returns (its module's imports included: torch, a"
+        f" model library) took {took:.1f} s{share}; with "
         f"{section}.skip_unchanged a run skips the call while what it read is unchanged (docs/configuration.md, "
         "'A data function slow to call')"
     )
