@@ -120,6 +120,8 @@ def make_loader(
             env.world_size - n % env.world_size,
         )
     warn_ignored_loader_settings(lc, device)
+    if env.is_main:
+        warn_batch_over_rows(n, cfg.batch_size)
     dataset = TensorDataset(*tensors(x), y)
     sampler = ResumableSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
     warn_one_row_last_batch(sampler.num_samples, local_batch_size(cfg, env), env)
@@ -160,6 +162,19 @@ def warn_ignored_loader_settings(lc: LoaderConfig, device: torch.device) -> None
             ignored.append("on_device (training runs on the CPU, where the data already is)")
     if ignored:
         log.warning("train.loader settings ignored: %s", "; ".join(ignored))
+
+
+def warn_batch_over_rows(num_rows: int, batch_size: int) -> None:
+    """Say when train.batch_size is larger than the training split: each epoch is one step on the whole split, which
+    a model learns little from in a few epochs, and the setting does not mean what it says."""
+    if batch_size > num_rows:
+        log.warning(
+            "train.batch_size %d is larger than the %d training rows: one step per epoch, the batch is the whole "
+            "split; lower train.batch_size (below %d) for more steps an epoch",
+            batch_size,
+            num_rows,
+            num_rows,
+        )
 
 
 def warn_one_row_last_batch(num_samples: int, local_batch: int, env: DistEnv) -> None:

@@ -94,8 +94,14 @@ def end_worker(code: int) -> NoReturn:
 
 
 def wrap_ddp(model: nn.Module, env: DistEnv, cfg: DistributedConfig, device: torch.device) -> nn.Module:
-    """DistributedDataParallel with the configured buckets; SyncBatchNorm first when asked (CUDA only)."""
+    """DistributedDataParallel with the configured buckets; SyncBatchNorm first when asked (CUDA only). One process
+    trains the module itself, and a sync_batchnorm asked for does nothing there: said once."""
     if not env.enabled:
+        if cfg.sync_batchnorm:
+            log.warning(
+                "train.distributed.sync_batchnorm ignored: one process trains (nproc_per_node 1), so BatchNorm's "
+                "statistics are already over the whole batch"
+            )
         return model
     if cfg.sync_batchnorm:
         if device.type != "cuda":

@@ -86,6 +86,8 @@ StepHook = Callable[[int], None]
 # How many steps the host may queue ahead of the loss/norm values it has read (health.py): deep enough to absorb
 # host jitter, short enough that a NaN abort comes promptly. Each queued step holds 8 bytes of pinned memory.
 MAX_LAG = 8
+# What an abort names as the last good checkpoint before any is written
+NO_CHECKPOINT = "none written yet"
 # The schedule counts batches, stepped or skipped (and a resume replays it without optimizer steps);
 # torch warns when a scheduler steps before the optimizer has.
 SCHED_WARNING = r"Detected call of `lr_scheduler.step\(\)` before"
@@ -151,6 +153,43 @@ def outputs_finite(
             finite = finite and all(bool(torch.isfinite(t).all()) for t in out.values() if t.is_floating_point())
     model.train(was_training)
     return finite
+
+
+def nonfinite_rows(
+    model: nn.Module,
+    x: Inputs,
+    device: torch.device,
+    env: DistEnv = DistEnv(),
+    batch: int = 256,
+    forward: Callable[..., Any] | None = None,
+) -> tuple[int, int]:
+    """How many held-out rows of ``x`` ``model`` (run by ``forward``, in eval mode) answers with NaN or infinity in
+    some float output, and of how many rows, over all processes (one all-reduce). Tells weights that give no finite
+    answer at all (a blown-up update) from a forward that makes NaN on a few rows (a fully masked one)."""
+    was_training = model.training
+    model.eval()
+    x = take(x, slice(env.rank, None, env.world_size))
+    bad, total = 0, rows(x)
+    with torch.no_grad():
+        for i in range(0, total, batch):
+            xb = take(x, slice(i, i + batch))
+            out = flatten_outputs(call(forward or model, rebuild(xb, [t.to(device) for t in tensors(xb)])))
+            n = rows(xb)
+            finite = torch.ones(n, dtype=torch.bool, device=device)
+            for t in (t for t in out.values() if t.is_floating_point()):
+                by_row = t.dim() > 0 and len(t) == n  # an output of another shape is the whole batch's
+                finite &= torch.isfinite(t.reshape(n, -1)).all(dim=1) if by_row else bool(torch.isfinite(t).all())
+            bad += n - int(finite.sum())
+    model.train(was_training)
+    bad_all, total_all = all_sum([float(bad), float(total)], device, env)
+    return int(bad_all), int(total_all)
+
+
+def mostly_nonfinite(counted: tuple[int, int]) -> bool:
+    """Whether more than half of the counted rows (:func:`nonfinite_rows`) got NaN/Inf outputs: weights, not a few
+    odd rows, make them."""
+    bad, total = counted
+    return total > 0 and 2 * bad > total
 
 
 FORWARD_NAN = (
@@ -304,7 +343,7 @@ class _Trainer:
             world_size=env.world_size,
             checkpoint_dir=str(ckpt_dir) if ckpt_dir else None,
         )
-        self.epoch, self.step_in_epoch, self.last_good = 0, 0, "none written yet"
+        self.epoch, self.step_in_epoch, self.last_good = 0, 0, NO_CHECKPOINT
         self.bad_streak = 0  # consecutive steps with a NaN/Inf loss (fp16 scale back-offs do not count)
         self.updates = 0  # optimizer steps of this process's run that updated the weights
         self.best_digest: str | None = None  # sha256 of best.safetensors, kept in last.pt to find it on resume
@@ -313,6 +352,10 @@ class _Trainer:
         self.settings = cfg.model_dump(mode="json")  # recorded in last.json (checkpoint.run_info)
         self.finished = False  # a finished run taken whole: nothing to train (checkpoint.find_resume)
         self.outputs = outputs  # the stage folder the outputs go to (checkpoint.outputs_written)
+        self.first_bad_step: int | None = None  # this run's first step with a non-finite loss or gradients
+        # (bad rows, rows, updates) of the last validation whose loss was not finite: weights no update changed
+        # since (self.updates the same) still give those outputs
+        self.nan_outputs: tuple[int, int, int] | None = None
         self._maybe_resume()
         self.ddp = wrap_ddp(model, env, cfg.distributed, device)  # after loading: DDP broadcasts rank 0's weights
         # What the steps call: torch.compile of the DDP module (DDP first: see compile.py), or the module itself.
@@ -444,6 +487,15 @@ class _Trainer:
                 "no checkpoint at step %d: the weights or optimizer state hold NaN/Inf", self.result.global_step
             )
             return
+        if self._weights_give_nan():
+            bad, total, _ = self.nan_outputs  # type: ignore[misc]
+            log.warning(
+                "no checkpoint at step %d: the weights give NaN/Inf outputs on %d of the %d held-out rows",
+                self.result.global_step,
+                bad,
+                total,
+            )
+            return
         r = self.result
         state = {
             "model": self.model.state_dict(),
@@ -471,6 +523,12 @@ class _Trainer:
             if self.updates or self.result.resumed_from
             else ": the weights training started from, no step has updated them)"
         )
+
+    def _weights_give_nan(self) -> bool:
+        """Whether the last validation found NaN/Inf outputs on most held-out rows (:func:`mostly_nonfinite`) and no
+        update has changed the weights since: finite weights, yet not a checkpoint to resume from or to select."""
+        found = self.nan_outputs
+        return found is not None and found[2] == self.updates and mostly_nonfinite(found[:2])
 
     def _save_info(self, complete: bool) -> None:
         """last.json beside last.pt: what a later run checks before loading it (checkpoint.find_resume)."""
@@ -545,6 +603,37 @@ class _Trainer:
             r.selected_epoch = r.best_epoch
         elif self.cfg.checkpoint.select == "best":
             log.warning("checkpoint.select: best: no epoch had a finite validation score; the last epoch's weights")
+        self._refuse_diverged(self.result.selected())
+
+    def _refuse_diverged(self, chosen: EpochMetrics | None = None) -> None:
+        """Fail where the weights give NaN/Inf outputs on most held-out rows: finite weights that an update blew up
+        (a learning rate too high) answer nothing, yet would pass as trained and every gate against themselves.
+        ``chosen``: the returned weights' epoch, checked only where its validation loss was not finite (else the
+        weights as they are now, at an abort). Counted by this process alone, on its own weights. Weights no update
+        changed (the forward's NaN: :meth:`_forward_makes_nan`) or that hold NaN themselves (the checkpoint refuses
+        them) are said elsewhere."""
+        if chosen is not None and (chosen.val_loss is None or math.isfinite(chosen.val_loss)):
+            return
+        if not self.updates or not ckpt.all_finite(dict(self.model.named_parameters())):
+            return
+        bad, total = nonfinite_rows(self.model, self.data.val_x, self.device, DistEnv(), self.eval_batch)
+        if not mostly_nonfinite((bad, total)):
+            return
+        at = f" at step {self.first_bad_step}" if self.first_bad_step else ""
+        clip = self.cfg.grad_clip is None and self.cfg.optimizer == "sgd"
+        raise TrainingError(
+            f"training diverged{at}: the weights give no finite output on {bad} of the {total} held-out rows "
+            f"(NaN or infinity), after {self.updates} update{'' if self.updates == 1 else 's'} (train.lr "
+            f"{self.cfg.lr:g}, {self.cfg.optimizer})",
+            hint="lower train.lr (e.g. 10 times)"
+            + (" and set train.grad_clip (e.g. 1.0) to bound each step" if clip else "")
+            + (
+                f"; train.checkpoint.resume: <last.pt> continues from the last checkpoint of finite outputs, "
+                f"{self.last_good}"
+                if self.ckpt_dir is not None and self.last_good != NO_CHECKPOINT
+                else ", and train again from the start (no checkpoint of finite outputs was written)"
+            ),
+        )
 
     def _say_most_skipped(self) -> None:
         """Warn when most of the run's steps were skipped and the run still ends (all of them: the stage's error):
@@ -555,12 +644,13 @@ class _Trainer:
         if self.env.is_main and planned and planned / 2 < bad + overflow < planned:
             log.warning(
                 "%d of the run's %d training steps were skipped (%d with a non-finite loss or gradients, %d for fp16 "
-                "gradient overflow): the weights learned from %d steps only",
+                "gradient overflow): the weights learned from %d step%s only",
                 bad + overflow,
                 planned,
                 bad,
                 overflow,
                 planned - bad - overflow,
+                "" if planned - bad - overflow == 1 else "s",
             )
 
     def _epoch(self, prof: Any) -> EpochMetrics:
@@ -705,6 +795,7 @@ class _Trainer:
                 continue
             self.acc["nonfinite"] += 1
             self.bad_streak += 1
+            self.first_bad_step = self.first_bad_step or s.step
             (log.warning if self.bad_streak <= SAID_STREAK else log.debug)(
                 "step %d skipped: loss %s, grad norm %s%s%s",
                 s.step,
@@ -738,6 +829,8 @@ class _Trainer:
                         "Conv3d backward on the CPU, can give NaN gradients from the first step); if fp32 fails too, "
                         "the model's own backward is NaN (a sqrt or norm at 0)",
                     )
+                if self.last_good == NO_CHECKPOINT:  # nothing to resume from: weights that answer NaN said so
+                    self._refuse_diverged()
                 raise TrainingError(
                     f"loss/gradients non-finite for {self.bad_streak} consecutive steps, at step "
                     f"{s.step} (epoch {s.epoch + 1}) in {self.precision}; last good checkpoint: {self.last_good}",
@@ -850,18 +943,30 @@ class _Trainer:
                     forward=self.net,
                 )
             if not math.isfinite(m.val_loss):  # said once per evaluation: a NaN the loss curve would just drop
+                self.nan_outputs = (*self._count_nan_rows(), self.updates)
                 log.warning("the validation loss after epoch %d is %s: %s", self.epoch + 1, m.val_loss, self._why_nan())
-            if self._improves(m):
+            if self._improves(m) and not self._weights_give_nan():  # weights of NaN outputs are never the best
                 self._keep_best(m)
         return m
 
+    def _count_nan_rows(self) -> tuple[int, int]:
+        """(rows answered with NaN/Inf, rows) of the held-out set at the current weights (:func:`nonfinite_rows`)."""
+        return nonfinite_rows(self.model, self.data.val_x, self.device, self.env, self.eval_batch, self.net)
+
     def _why_nan(self) -> str:
-        """Why the validation loss is not finite, in words: the model's outputs, or (finite outputs) the loss."""
-        if not outputs_finite(self.model, self.data.val_x, self.device, self.env, self.eval_batch, self.net):
+        """Why the validation loss is not finite, in words: weights that an update blew up (NaN/Inf outputs on most
+        rows after updates), the model's forward (on some rows), or (finite outputs) the loss."""
+        bad, total, _ = self.nan_outputs or (0, 0, 0)
+        if self.updates and self._weights_give_nan():
             return (
-                "the model answers some held-out samples with NaN or infinity: its forward makes them (a softmax over "
-                "a row whose attention scores are all masked to -inf gives NaN, in the model's own attention or "
-                "torch's)"
+                f"the weights the updates reached answer {bad} of the {total} held-out rows with NaN or infinity: an "
+                "update blew them up (a learning rate too high; lower train.lr)"
+            )
+        if bad:
+            return (
+                f"the model answers {bad} of the {total} held-out rows with NaN or infinity: its forward makes them "
+                "(a softmax over a row whose attention scores are all masked to -inf gives NaN, in the model's own "
+                "attention or torch's)"
             )
         if self.cfg.loss is not None:
             return user_loss_nan(self.cfg.loss)

@@ -247,8 +247,9 @@ def warn_learned_nothing_held_out(history: list[EpochMetrics], chance: float | N
     (:func:`held_out_loss_fell`): what the model learned does not show in eval mode or on the held-out rows. A model
     whose BatchNorm keeps running statistics far from its batches' (a small momentum) or that branches on
     ``self.training`` trains well and answers at chance in eval mode, and validation then passes engines that
-    agree with a model that does nothing; labels that do not belong to their inputs look the same. Returns whether it
-    warned, so that :func:`warn_at_chance` does not say it again."""
+    agree with a model that does nothing; labels that do not belong to their inputs look the same. A training loss
+    that never got below ``chance`` learned nothing at all: said so, with :func:`_above_chance_fix`, not as eval
+    mode's. Returns whether it warned, so that :func:`warn_at_chance` does not say it again."""
     scored = [m for m in history if m.val_accuracy is not None and math.isfinite(m.loss)]
     if len(scored) < 3:
         return False
@@ -257,18 +258,57 @@ def warn_learned_nothing_held_out(history: list[EpochMetrics], chance: float | N
         return False
     if not (last.loss < 0.5 * first.loss and max(m.val_accuracy for m in scored) <= first.val_accuracy + ROOM_TO_RISE):
         return False
+    fell = f"training loss fell from {first.loss:.3g} (epoch {first.epoch}) to {last.loss:.3g} (epoch {last.epoch})"
+    if chance is not None and min(m.loss for m in scored) >= chance:  # never learned: nothing to seek in eval mode
+        logging.getLogger("kiln.train").warning(
+            "%s, yet never below the %.4g of answering at chance (ln of the classes), and validation accuracy %s: "
+            "the model learned nothing. %s",
+            fell,
+            chance,
+            _accuracies_said(scored),
+            _above_chance_fix(history, chance),
+        )
+        return True
     logging.getLogger("kiln.train").warning(
-        "training loss fell from %.3g (epoch %d) to %.3g (epoch %d), yet validation accuracy stayed at %.3f: what "
-        "the model learned does not show on the held-out rows. Check that forward computes alike in model.eval() "
-        "(a BatchNorm with a small momentum keeps running statistics far from its batches'; a branch on "
-        "self.training) and that val_y labels val_x as train_y labels train_x",
-        first.loss,
-        first.epoch,
-        last.loss,
-        last.epoch,
-        max(m.val_accuracy for m in scored),
+        "%s, yet validation accuracy %s: what the model learned does not show on the held-out rows. Check that "
+        "forward computes alike in model.eval() (a BatchNorm with a small momentum keeps running statistics far from "
+        "its batches'; a branch on self.training) and that val_y labels val_x as train_y labels train_x",
+        fell,
+        _accuracies_said(scored),
     )
     return True
+
+
+def _accuracies_said(scored: list[EpochMetrics]) -> str:
+    """The epochs' validation accuracies in words: "stayed at 0.086" where they are all alike (to three places),
+    else each epoch's (the first three and the last where there are more than five)."""
+    said = [f"{m.val_accuracy:.3f}" for m in scored]
+    if len(set(said)) == 1:
+        return f"stayed at {said[0]}"
+    shown = said if len(said) <= 5 else [*said[:3], "...", said[-1]]
+    return f"did not rise (by epoch: {', '.join(shown)})"
+
+
+# What to check of a model that answers at chance level with updates of a sound size
+CHANCE_FIX = (
+    "Check that train_y labels train_x (and val_y val_x), then train longer (train.epochs) or at another train.lr"
+)
+# A first epoch whose mean training loss is this many times chance level rose above it: the updates, not too few
+# of them, keep the model from learning (_above_chance_fix)
+ROSE_ABOVE_CHANCE = 1.25
+
+
+def _above_chance_fix(history: list[EpochMetrics], chance: float) -> str:
+    """What to change where the training loss stays at or above ``chance``: an initialised classifier starts near
+    chance level, so a first epoch well above it (:data:`ROSE_ABOVE_CHANCE`) was pushed there by updates too large;
+    otherwise the training was too short, or the labels do not belong to their inputs."""
+    first = next((m for m in history if math.isfinite(m.loss)), None)
+    if first is not None and first.loss >= ROSE_ABOVE_CHANCE * chance:
+        return (
+            f"The loss rose above chance in epoch {first.epoch} ({first.loss:.3g}): updates too large; lower "
+            "train.lr (e.g. 10 times)"
+        )
+    return CHANCE_FIX
 
 
 # Held-out accuracy at most this far above 1/num_classes (and half of that at most) is chance level (warn_at_chance)
@@ -281,8 +321,9 @@ CHANCE_LOSS_SHARE = 0.95
 def warn_at_chance(result: TrainResult, num_classes: int, chance: float | None) -> None:
     """Warn where the trained model answers at chance level: the held-out accuracy of the weights returned is at most
     1/num_classes plus :data:`CHANCE_MARGIN` (half of chance at most, so a 100-class model at five times chance is
-    not said to be), or, where none was measured, the last epoch's training loss is still :data:`CHANCE_LOSS_SHARE`
-    of ``chance`` (:func:`chance_loss`, the loss of uniform scores) or more. Validation then holds engines to a
+    not said to be), or the last epoch's training loss is still ``chance`` (:func:`chance_loss`, the loss of uniform
+    scores) or more (whatever the accuracy: a little above chance on few held-out rows proves nothing), or, where no
+    accuracy was measured, :data:`CHANCE_LOSS_SHARE` of it or more. Validation then holds engines to a
     model that does nothing, which every gate passes and which proves little; labels that do not belong to their
     inputs, or a training too short, look the same. Quiet where ``chance`` is unknown (regression, a loss of the
     user's)."""
@@ -292,16 +333,22 @@ def warn_at_chance(result: TrainResult, num_classes: int, chance: float | None) 
     accuracy = chosen.val_accuracy if chosen is not None else None
     last = next((m.loss for m in reversed(result.history) if math.isfinite(m.loss)), None)
     level = 1.0 / num_classes
+    said = []
     if accuracy is not None and accuracy <= level + min(CHANCE_MARGIN, level / 2):
-        said = f"held-out accuracy {accuracy:.4f} on {num_classes} classes, chance {level:.4f}"
+        said.append(f"held-out accuracy {accuracy:.4f} on {num_classes} classes, chance {level:.4f}")
+    if last is not None and last >= chance:  # accuracy a little above chance on a few held-out rows proves nothing
+        said.append(f"final training loss {last:.4g}, not below the ln({num_classes}) = {chance:.4g} of uniform scores")
+        val_loss = chosen.val_loss if chosen is not None else None
+        if val_loss is not None and math.isfinite(val_loss) and val_loss >= chance:
+            said[-1] += f", validation loss {val_loss:.4g}"
     elif accuracy is None and last is not None and last >= CHANCE_LOSS_SHARE * chance:
-        said = f"final training loss {last:.4g}, the ln({num_classes}) = {chance:.4g} of uniform scores"
-    else:
+        said.append(f"final training loss {last:.4g}, the ln({num_classes}) = {chance:.4g} of uniform scores")
+    if not said:
         return
     logging.getLogger("kiln.train").warning(
-        "the trained model predicts at chance level (%s): engines that agree with it prove little. Check that "
-        "train_y labels train_x (and val_y val_x), then train longer (train.epochs) or at another train.lr",
-        said,
+        "the trained model predicts at chance level (%s): engines that agree with it prove little. %s",
+        "; ".join(said),
+        _above_chance_fix(result.history, chance) if last is not None and last >= chance else CHANCE_FIX,
     )
 
 
