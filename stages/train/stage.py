@@ -596,6 +596,10 @@ def _probe(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, lookup
 # torch's messages for an index past the tensor an indexing op reads (``index_select``, ``gather``, ``scatter``,
 # ``index_add``, ``x[idx]``, an embedding); not ``topk``'s "selected index k out of range", which no index input makes
 INDEXING_FAILED = re.compile(r"index out of range in self|index -?\d+ is out of bounds for dimension")
+# torch.topk asked for more entries than its axis has: the model's own line, whatever the data
+TOPK_FAILED = re.compile(r"selected index k out of range")
+# The most rows the across-rows check runs the model on at once: past it the error is taken as the model's
+FULL_RUN_ROWS = 8192
 
 
 def _indexed_across_rows(
@@ -610,6 +614,8 @@ def _indexed_across_rows(
         return None
     full = data.train_x if rows(data.train_x) else data.val_x
     n = rows(full)
+    if n > FULL_RUN_ROWS:  # a forward pass over the whole split to confirm it would cost more than the error is worth
+        return None
     found = None
     for i, (part, whole, before) in enumerate(zip(tensors(x), tensors(full), lookups.before)):
         if part.is_floating_point() or part.is_complex() or part.dtype == torch.bool or not part.numel():
@@ -626,8 +632,8 @@ def _index_error(exc: Exception, model_ref: str) -> UserCodeError | None:
     """An indexing error of the model's own (an index past a tensor, ``topk`` asked for more than it has) as the
     user's code's error, named by its file and line (:func:`~kiln.core.user_errors.user_code_error`); None for any
     other error, or one raised where no frame is the user's: the data may be at fault (:func:`_cannot_take`)."""
-    if not isinstance(exc, IndexError) and "out of range" not in str(exc) and "out of bounds" not in str(exc):
-        return None
+    if not INDEXING_FAILED.search(str(exc)) and not TOPK_FAILED.search(str(exc)):
+        return None  # "Dimension out of range" and the like: data missing an axis as likely as the model (_cannot_take)
     return user_code_error(exc, "checking the model on two samples of the data", f"model '{model_ref}'", model=True)
 
 
