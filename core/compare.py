@@ -159,13 +159,16 @@ def compare_arrays(
         agreement, ties = (None, None) if count else _top1(r, g, rel_tie, where, shared, binary_at)
     sample, row = _worst_sample(sample_cosines(r, g, shared))
     errors = _max_abs_err(rf, gf), _rel_err(rf, gf)
-    line = systematic_of(rf, gf, float(np.sqrt(np.mean(rf**2))) if rf.size else 0.0)
+    line = systematic_of(r, g, float(np.sqrt(np.mean(rf**2))) if rf.size else 0.0, ~shared if shared.any() else None)
     return OutputStats(*errors, _cosine(rf, gf), agreement, ties, sample, row, levels=count, **line)
 
 
 # The fewest values a line through (reference, candidate) is fitted to: two fix any line, and the noise on it is
 # measured on the rest
 SYSTEMATIC_MIN_VALUES = 3
+# The fewest samples (rows of the batch axis): an engine's noise is often shared by a sample's values (one pooled
+# feature feeds them all), so the noise a line may pick up is measured between samples, which needs a few
+SYSTEMATIC_MIN_ROWS = 8
 # Of the fitted slope and mean error, this many standard errors (from the rest of the error, the noise) are what noise
 # alone may give, and are not counted as systematic: a small or noisy output is not called biased by its noise
 SYSTEMATIC_SIGMAS = 2.0
@@ -184,38 +187,61 @@ class Systematic:
 
     def size(self, over: float) -> float:
         """The systematic error ``over`` a scale of the output (its spread between samples, or its RMS):
-        sqrt((slope - 1)^2 + (shift / over)^2), a scale error counted as the share it scales every value by,
-        whatever the level the values sit on, and an offset as its share of that scale."""
+        sqrt((slope - 1)^2 + (shift / over)^2), a scale error counted as the share it scales every value by, and
+        the mean error as its share of that scale."""
         return float(np.sqrt(self.scale_sq + self.shift_sq / max(over, 1e-12) ** 2))
 
 
-def systematic(ref: np.ndarray, got: np.ndarray) -> Systematic | None:
-    """The systematic part of ``got - ref`` (one shape, values compared only): the least-squares line got = a ref +
-    b, as its slope a and its mean error, mean(got - ref), which the centred fit keeps apart. Rounding and
-    quantization noise scatters around got = ref; a wrong scale (a calibrated range off, a normalization lost) or
-    offset (a bias dropped) moves every sample alike, which cosine cannot see (a scale keeps the direction) and
-    rel_err's noise allowance lets through. The slope is a share of every value, not of their spread: an output on
-    a level far above how it varies (a random model's, a forecast of a series around 300) scaled by 0.1 % is 0.1 %
-    off, where against its spread the level would make it a large error. What noise alone may put on each
-    (:data:`SYSTEMATIC_SIGMAS` standard errors of the fitted slope and mean, from the rest of the error) is taken
-    off. None: under :data:`SYSTEMATIC_MIN_VALUES` values, or a value not finite."""
-    r, g = np.asarray(ref, dtype=np.float64).ravel(), np.asarray(got, dtype=np.float64).ravel()
-    n = r.size
-    if n < SYSTEMATIC_MIN_VALUES or not (np.isfinite(r).all() and np.isfinite(g).all()):
+def systematic(ref: np.ndarray, got: np.ndarray, kept: np.ndarray | None = None) -> Systematic | None:
+    """The systematic part of ``got - ref`` (one shape, the batch axis first; ``kept``: the values compared, None:
+    all): the least-squares line got = a ref + b, as its slope a and its mean error, mean(got - ref), which the
+    centred fit keeps apart. Rounding and quantization noise scatters around got = ref; a wrong scale (a calibrated
+    range off, a normalization lost) or offset (a bias dropped) moves every sample alike, which cosine cannot see (a
+    scale keeps the direction) and rel_err's noise allowance lets through. The slope is a share of every value, not
+    of their spread: values on levels far above how they vary, of both signs (a random model's), scaled by 0.1 % are
+    0.1 % off. The mean error is in the output's units: where the values sit on a level of one sign (a forecast of
+    a series around 300), a scale moves their mean too, and that counts over the spread as any offset does, since
+    it moves every prediction by as much. What noise alone may put on each is taken off
+    (:data:`SYSTEMATIC_SIGMAS` standard errors of the fitted slope and mean, from the rest of the error, counted
+    between samples where a sample's values share their noise). None: a 0-D output, under
+    :data:`SYSTEMATIC_MIN_VALUES` values or :data:`SYSTEMATIC_MIN_ROWS` samples, or a value not finite."""
+    r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    if r.ndim == 0:
+        return None
+    rows = None if kept is None else np.nonzero(kept)[0]  # each kept value's sample, in r[kept]'s order
+    r, g = (r.reshape(len(r), -1), g.reshape(len(g), -1)) if kept is None else (r[kept], g[kept])
+    n, samples = r.size, len(r) if rows is None else int(np.count_nonzero(np.bincount(rows)))
+    if (
+        n < SYSTEMATIC_MIN_VALUES
+        or samples < SYSTEMATIC_MIN_ROWS
+        or not (np.isfinite(r).all() and np.isfinite(g).all())
+    ):
         return None
     err, centred = g - r, r - r.mean()
     var, shift = float(np.mean(centred**2)), float(np.mean(err))
     tilt = float(np.mean(err * centred)) / var if var > 0 else 0.0  # slope - 1
-    noise = max(float(np.mean(err**2)) - tilt**2 * var - shift**2, 0.0) / (n - 2)  # the variance of a mean of n
-    noise *= SYSTEMATIC_SIGMAS**2
-    scale_sq = max(tilt**2 - noise / var, 0.0) if var > 0 else 0.0
-    return Systematic(1.0 + tilt, shift, scale_sq, max(shift**2 - noise, 0.0))
+    rest = err - tilt * centred - shift  # the noise around the line
+    each = max(float(np.mean(rest**2)), 0.0) / (n - 2)  # the variance of a mean of n values of independent noise
+    shared = samples / max(samples - 1, 1) / n**2  # of the same mean, noise shared within samples (clustered)
+    shift_var = max(each, shared * _per_sample_sq(rest, rows))
+    tilt_var = max(each, shared * _per_sample_sq(centred * rest, rows) / var) / var if var > 0 else 0.0
+    sigmas = SYSTEMATIC_SIGMAS**2
+    return Systematic(1.0 + tilt, shift, max(tilt**2 - sigmas * tilt_var, 0.0), max(shift**2 - sigmas * shift_var, 0.0))
 
 
-def systematic_of(ref: np.ndarray, got: np.ndarray, over: float) -> dict[str, float | None]:
+def _per_sample_sq(values: np.ndarray, rows: np.ndarray | None) -> float:
+    """The sum over samples of the square of each sample's sum of ``values`` (``[samples, values]``, or flat with
+    each value's sample in ``rows``): a cluster-robust variance's middle term."""
+    sums = values.sum(axis=1) if rows is None else np.bincount(rows, weights=values)
+    return float(np.sum(sums**2))
+
+
+def systematic_of(
+    ref: np.ndarray, got: np.ndarray, over: float, kept: np.ndarray | None = None
+) -> dict[str, float | None]:
     """:class:`OutputStats`' ``systematic_err`` (:meth:`Systematic.size` ``over`` the given scale: the output's RMS,
     or its spread between samples), ``slope`` and ``shift``; each None where there is no line to fit."""
-    line = systematic(ref, got)
+    line = systematic(ref, got, kept)
     if line is None:
         return {"systematic_err": None, "slope": None, "shift": None}
     return {"systematic_err": line.size(over), "slope": line.slope, "shift": line.shift}

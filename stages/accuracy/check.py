@@ -314,7 +314,7 @@ def relative_to_spread(
         r, g = np.asarray(ref[name], dtype=np.float64), np.asarray(got[name], dtype=np.float64)
         kept = ~set_aside(ref[name], got[name])
         err = float(np.sqrt(np.mean((g[kept] - r[kept]) ** 2))) if kept.any() else 0.0
-        line = systematic_of(r[kept], g[kept], spread[name])  # its systematic part over the same spread
+        line = systematic_of(r, g, spread[name], kept)  # its systematic part over the same spread
         out[name] = replace(s, rel_err=err / spread[name], norm_rel_err=s.rel_err, **line)
     return out
 

@@ -94,7 +94,8 @@ class GatesConfig(Section):
         "quantization scatter around got = ref; a scale or an "
         "offset (a wrong calibrated range, a dropped bias) is on the line for every sample, which cosine cannot see "
         "and max_rel_err's noise allowance passes. Held by the outputs max_rel_err holds (unless it is set, not an "
-        "INT8/FP8 engine's softmax class logits); null = unchecked",
+        "INT8/FP8 engine's softmax class logits); null = unchecked at FP32 (a precision's own default stays: "
+        "per_precision.<precision>.max_systematic_err: null turns that one off)",
     )
     min_top1_agreement: float = Field(
         0.99,
@@ -284,4 +285,4 @@ def _warn_defaults(gate: str, value: float | None, defaults: dict[str, float], t
     else:
         said = f"does not hold {', '.join(defaults)} engines: their own defaults ({values}) are stricter and stay; "
         said += f"to loosen them too, set {', '.join(keys)}"
-    log.warning("validate.gates.%s %s %s", gate, value, said)
+    log.warning("validate.gates.%s %s %s", gate, "null" if value is None else value, said)

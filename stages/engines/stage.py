@@ -690,15 +690,17 @@ def build_direct(
         raise  # its fix sizes the nodes that put the label in doubt
     except MislabelledEngine as exc:
         if _relabel_here(exc, given or made_as, precision, device):  # no one labelled it: the engine's compute does
+            others = [d for d in backend_named(backend).devices if d != device]
+            there = f"build it with --device {' or --device '.join(others)}" if others else "use another --backend"
             log.warning(
                 "%s is an %s graph; the %s backend computes it in fp32 on %s (no %s kernels there): labelled fp32 "
-                "(--device with %s kernels for an %s engine)",
+                "(%s for an %s engine)",
                 Path(src).name,
                 precision,
                 backend,
                 device.upper(),
                 precision,
-                precision,
+                there,
                 precision,
             )
             return build_direct(src, out, backend, device, "fp32", cfg, axis_sizes, max_batch)
