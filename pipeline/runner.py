@@ -287,15 +287,16 @@ USER_CODE_KEYS = {
 
 def check_user_code(config: KilnConfig, sections: Collection[str]) -> None:
     """Each function the config names by import path (:data:`USER_CODE_KEYS`) for stages whose settings cover its
-    key, found defined by reading its module's source (nothing imported), or else imported, which names the mistake
-    (a ConfigError: a misspelt function, a missing module). A run does this before its first cache key, which may
-    call the user's data function (seconds): a typo then fails as fast in a workdir of earlier runs as in a new one."""
+    key, looked for in its module's source (nothing imported); where the source lacks it, the module is imported to
+    confirm, which names the mistake (a ConfigError: a misspelt function); where the source cannot tell (``import
+    *``), the stages' own checks find out. A run does this before its first cache key, which may call the user's
+    data function (seconds): a typo then fails as fast in a workdir of earlier runs as in a new one."""
     for key, label in USER_CODE_KEYS.items():
         if not any(key == s or key.startswith(s + ".") for s in sections):
             continue
         ref = config_at(config, key)
-        if isinstance(ref, str) and ":" in ref and not defined_unrun(*ref.split(":", 1)):
-            resolve_callable(ref, {}, label)
+        if isinstance(ref, str) and ":" in ref and defined_unrun(*ref.split(":", 1)) is False:
+            resolve_callable(ref, {}, label)  # imported only where the source says it is missing: to confirm
 
 
 def user_parts(stage: Stage, config: KilnConfig, code: bool = True) -> dict[str, Any]:

@@ -72,26 +72,28 @@ def import_root(module: str) -> str | None:
     return None if _installed(folder) else str(folder)
 
 
-def defined_unrun(module: str, attr: str) -> bool:
+def defined_unrun(module: str, attr: str) -> bool | None:
     """Whether ``module`` defines ``attr`` at its top level (a def, class, assignment or import, under an ``if`` or
     ``try`` too), read from its source without running it or its packages: a run checks that the functions its
-    config names exist before it calls the user's data function (seconds). False where that cannot be told so (no
-    source found, a ``from x import *``, a module ``__getattr__``): the caller imports the module to find out."""
+    config names exist before it calls the user's data function (seconds). None where the source cannot tell (none
+    found, a ``from x import *``, a module ``__getattr__``): the stages' own checks find out, importing no module on
+    a run whose stages are cached. False may still be wrong (a name bound by ``for``, ``with`` or ``globals()``):
+    the caller imports the module to confirm before it says so."""
     loaded = sys.modules.get(module)
     if loaded is not None:
         return hasattr(loaded, attr)
     try:
         origin, _ = _unrun_source(module)
     except (ImportError, ValueError):
-        return False
+        return None
     if not origin or not origin.endswith(".py"):
-        return False
+        return None
     try:
         tree = ast.parse(Path(origin).read_text(encoding="utf-8"))
     except (OSError, SyntaxError, ValueError):
-        return False
+        return None
     names = _top_level_names(tree.body)
-    return attr in names and "*" not in names
+    return None if "*" in names else attr in names
 
 
 def _top_level_names(body: list[ast.stmt]) -> set[str]:
