@@ -75,22 +75,25 @@ def import_root(module: str) -> str | None:
 def defined_unrun(module: str, attr: str) -> bool | None:
     """Whether ``module`` defines ``attr`` at its top level (a def, class, assignment or import, under an ``if`` or
     ``try`` too), read from its source without running it or its packages: a run checks that the functions its
-    config names exist before it calls the user's data function (seconds). None where the source cannot tell (none
-    found, a ``from x import *``, a module ``__getattr__``): the stages' own checks find out, importing no module on
-    a run whose stages are cached. False may still be wrong (a name bound by ``for``, ``with`` or ``globals()``):
-    the caller imports the module to confirm before it says so."""
+    config names exist before it calls the user's data function (seconds). None where the source cannot tell (no
+    Python source, a ``from x import *``, a module ``__getattr__``): the stages' own checks find out, importing no
+    module on a run whose stages are cached. False for a module not found or not parsed, whose import names why,
+    and for a name the source lacks, which may still be wrong (bound by ``for``, ``with`` or ``globals()``): the
+    caller imports the module to confirm before it says so."""
     loaded = sys.modules.get(module)
     if loaded is not None:
         return hasattr(loaded, attr)
     try:
         origin, _ = _unrun_source(module)
     except (ImportError, ValueError):
-        return None
+        return False  # no such module: the import names it
     if not origin or not origin.endswith(".py"):
         return None
     try:
         tree = ast.parse(Path(origin).read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError):
+    except SyntaxError:
+        return False  # the import names the line
+    except (OSError, ValueError):
         return None
     names = _top_level_names(tree.body)
     return None if "*" in names else attr in names
