@@ -367,13 +367,8 @@ def _build_all(ctx: StageContext[BuildSettings]) -> BuildSummary:
     # The trained model, for backends that compile PyTorch itself (torch): loaded only if one asks.
     torch_model = (lambda: load_trained(ctx.inputs["train"], ctx.config.model)) if "train" in ctx.inputs else None
     steps = read_axis_steps(ctx.inputs["export"]) if "export" in ctx.inputs else {}
-    shapes = {
-        "max_batch": max_batch,
-        "axis_sizes": sizes,
-        "int_ranges": record.int_ranges,
-        "value_ranges": record.value_ranges,
-        "axis_steps": steps,
-    }
+    # the data's float ranges are no input of the engine, only recorded beside it (_record_ranges): not keyed
+    shapes = {"max_batch": max_batch, "axis_sizes": sizes, "int_ranges": record.int_ranges, "axis_steps": steps}
     previous = PreviousBuild(ctx.workdir / ctx.name, ctx.key_parts, ctx.log, ctx.forced)  # unchanged engines: kept
     engines: list[EngineEntry] = []
     skipped: list[str] = []
@@ -402,6 +397,7 @@ def _build_all(ctx: StageContext[BuildSettings]) -> BuildSummary:
                 graphs = [root / src] + ([root / variants[precision].path] if keep is not None else [])
                 key = inputs_key(ctx, backend, device, precision, graphs, keep, shapes)
                 if kept := previous.take(name, key, ctx.out / name):
+                    _record_ranges(ctx.out / name, record.value_ranges)
                     engines.append(EngineEntry.model_validate(kept))
                     continue
                 try:
@@ -567,6 +563,17 @@ def _yields(backend: Backend, device: str, precision: str, cfg: Any) -> str | No
     if device not in rival.plan(rival.settings(cfg), precision).devices:
         return None
     return f"{why} (build it anyway: build.{backend.name}.devices: [{device}])"
+
+
+def _record_ranges(engine_dir: Path, value_ranges: dict[str, list[float]]) -> None:
+    """Record the data's float ranges (``value_ranges``) in a kept engine's ``kiln-engine.json`` where they moved:
+    they are no input of the engine, so new data keeps it (a TensorRT engine's minutes of build), but ``kiln
+    validate ENGINE`` draws its random inputs in them."""
+    meta = read_metadata(engine_dir)
+    ranges = {s.name: value_ranges[s.name] for s in meta.inputs if s.name in value_ranges}
+    if meta.value_ranges != ranges:
+        meta.value_ranges = ranges
+        meta.write(engine_dir / SIDECAR)
 
 
 def _build_with_fallback(
