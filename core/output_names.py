@@ -3,6 +3,7 @@ that run ONNX files (``kiln build``, ``kiln precision``, ``kiln validate``) read
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import shlex
@@ -112,3 +113,18 @@ def one_hot(y: Any, num_classes: int = 0) -> bool:
     if a.shape[axis] < 2 or (num_classes > 0 and a.shape[axis] != num_classes):
         return False
     return bool(np.isin(a, (0, 1)).all()) and bool((a.sum(axis) == 1).all())
+
+
+def refuse_unknown_gated(names: Sequence[str] | None, outputs: list[str]) -> None:
+    """Each of ``validate.gates.gated_outputs`` (``names``; None: every output) is one of the model's ``outputs``, or
+    a ConfigError names the closest (a misspelt name) and the outputs there are."""
+    unknown = [n for n in names or () if n not in outputs]
+    if not unknown:
+        return
+    close = {n: difflib.get_close_matches(n, outputs, 1) for n in unknown}
+    meant = [f"'{close[n][0]}' for '{n}'" for n in unknown if close[n]]
+    raise ConfigError(
+        f"validate.gates.gated_outputs names {unknown}, which the model has no output of (its outputs: {outputs})",
+        hint=(f"did you mean {', '.join(meant)}? " if meant else "")
+        + f"list outputs of {outputs} in validate.gates.gated_outputs, or set it to null to gate every output",
+    )

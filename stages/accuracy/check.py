@@ -45,7 +45,7 @@ from kiln.core.labels import (
     without_padding,
 )
 from kiln.core.labels import accuracy as label_accuracy
-from kiln.core.output_names import detection_labels, logits_name, one_hot
+from kiln.core.output_names import detection_labels, logits_name, one_hot, refuse_unknown_gated
 from kiln.core.records import EngineValidation
 from kiln.core.shapes import Axes, axis_sizes, length_inputs, resize, shape_points
 from kiln.stages.accuracy.config import CheckConfig, GatesConfig
@@ -2175,12 +2175,7 @@ def gated_outputs(names: list[str] | None, outputs: list[str]) -> set[str]:
     ``outputs`` (the model's) where it is None; a name the model has no output of is a ConfigError naming them."""
     if names is None:
         return set(outputs)
-    unknown = [n for n in names if n not in outputs]
-    if unknown:
-        raise ConfigError(
-            f"validate.gates.gated_outputs names {unknown}, which the model has no output of (its outputs: {outputs})",
-            hint=f"list outputs of {outputs} in validate.gates.gated_outputs, or set it to null to gate every output",
-        )
+    refuse_unknown_gated(names, outputs)
     return set(names)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import inspect
 import itertools
 import logging
@@ -41,6 +40,7 @@ from kiln.core.errors import ConfigError, ModelError, TrainingError
 from kiln.core.feeds import shape_fix
 from kiln.core.inputs import batch_of_one_hint
 from kiln.core.labels import is_label_name, is_loss_name
+from kiln.core.output_names import refuse_unknown_gated
 from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress
 from kiln.core.records import TensorSpec
@@ -489,7 +489,7 @@ def check_model_fits_data(
     outputs = flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor (or None, left out)
     if logits_output is not None:
         logits_name(list(outputs), logits_output)  # a ConfigError naming the outputs where it is none of them
-    check_gated_outputs(gated_outputs, list(outputs))
+    refuse_unknown_gated(gated_outputs, list(outputs))
     _refuse_outputs_named_like_inputs(model, x, outputs)
     _refuse_labels_in_inputs(model, x, outputs)
     _refuse_random_in_eval(model, x)
@@ -499,21 +499,6 @@ def check_model_fits_data(
         lengths = tuple({d for t in tensors(x) if t.ndim >= 2 for d in t.shape[1:]})  # what labels may follow
         check_task(task, out, y[:probe_rows], data.num_classes, model_ref, _lacks_decoder_inputs(model, x), lengths)
     return task
-
-
-def check_gated_outputs(names: list[str] | None, outputs: list[str]) -> None:
-    """Each of ``validate.gates.gated_outputs`` (``names``; None: every output) is one of the model's ``outputs``, or
-    a ConfigError names the closest and the outputs there are, as a misspelt ``signature.logits_output`` is."""
-    unknown = [n for n in names or () if n not in outputs]
-    if not unknown:
-        return
-    close = {n: difflib.get_close_matches(n, outputs, 1) for n in unknown}
-    meant = [f"'{close[n][0]}' for '{n}'" for n in unknown if close[n]]
-    raise ConfigError(
-        f"validate.gates.gated_outputs names {unknown}, which the model has no output of (its outputs: {outputs})",
-        hint=(f"did you mean {', '.join(meant)}? " if meant else "")
-        + f"list outputs of {outputs} in validate.gates.gated_outputs, or set it to null to gate every output",
-    )
 
 
 def _with_target_output(task: Task, outputs: dict[str, torch.Tensor], y: torch.Tensor, num_classes: int) -> Task:
