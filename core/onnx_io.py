@@ -559,10 +559,12 @@ def _references(path: Path, location: str) -> bool:
     )
 
 
-def tensor_bytes(tensor: onnx.TensorProto) -> int:
+def tensor_bytes(tensor: onnx.TensorProto, external: bool = False) -> int:
     """The bytes a tensor's data takes in the protobuf, from its dims and type: protobuf's own ``ByteSize()``
-    encodes the message to count it (a second as long as serializing a BERT-base), this reads two fields."""
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+    encodes the message to count it (a second as long as serializing a BERT-base), this reads two fields.
+    ``external``: a tensor kept in an external file counts its bytes there too (where the weights are, not what the
+    protobuf holds)."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL and not external:
         return 0
     if tensor.data_type == onnx.TensorProto.STRING:
         return sum(len(s) for s in tensor.string_data)

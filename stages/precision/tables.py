@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import numpy as np
 import onnx
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.quantize import quantizable_op_types
+from kiln.core.onnx_io import tensor_bytes
 
 # Op types whose stored input (by index) ONNX Runtime's quantizers store in int8 where calibration.op_types lists
 # them: a Gather's table (input 0), its looked-up rows dequantized
@@ -22,11 +22,7 @@ MOST = 0.5
 
 def weight_bytes(model: onnx.ModelProto) -> dict[str, int]:
     """Stored tensor -> its size in bytes, from its dims and element type (nothing is read: external weights too)."""
-    out = {}
-    for t in model.graph.initializer:
-        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-        out[t.name] = int(np.prod(t.dims, dtype=np.int64)) * itemsize
-    return out
+    return {t.name: tensor_bytes(t, external=True) for t in model.graph.initializer}
 
 
 def table_bytes(model: onnx.ModelProto, ops: Iterable[str]) -> dict[str, int]:
