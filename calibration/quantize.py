@@ -664,10 +664,14 @@ def _scale_issue(call: str, model: onnx.ModelProto, variant: str, ranges: Ranges
     nodes = list(dict.fromkeys(writers[t] for t in nan if t in writers))
     which = f": {', '.join(repr(t) for t in nan[:4])}{' and more' if len(nan) > 4 else ''}" if nan else ""
     keep = f"--set 'calibration.exclude_nodes=[{', '.join(nodes)}]'" if nodes else "calibration.exclude_nodes"
+    cause = (
+        f": a tensor NaN on the calibration data{which} (a Sqrt or Log of negative inputs, 0/0)"
+        if nan
+        else " (a tensor NaN on the calibration data, or a range whose end lies below its start)"
+    )
     return ModelError(
         f"onnxruntime.quantization.{call} failed (AssertionError: {SCALE_ISSUE}): a calibrated range gave no "
-        f"{variant.upper()} scale, its width NaN or negative: a tensor NaN on the calibration data{which} (a Sqrt or "
-        "Log of negative inputs, 0/0)",
+        f"{variant.upper()} scale, its width NaN or negative{cause}",
         hint=f"calibrate on inputs the model is defined at (data.name, --calibration), keep the nodes writing "
         f"NaN in float ({keep}), or drop {variant} from precision.variants (the other variants are still built)",
     )

@@ -42,7 +42,9 @@ class _Said(logging.Handler):
 def ort_said_to_debug(what: str) -> Iterator[None]:
     """The block's library log records and Python warnings into Kiln's debug log, each distinct one once with its
     count (``what``: the call, for the log lines); the tensors ORT's quantizer could not type in one info line.
-    The handlers and propagation of the root logger and :data:`ORT_LOGGERS` are restored after the block."""
+    The handlers and propagation of the root logger and :data:`ORT_LOGGERS` are restored after the block. It is
+    process-wide while it runs (the loggers' handlers, Python's warnings filters): called from the main thread,
+    around work no other thread logs during."""
     root = logging.getLogger()
     loggers = [root, *(logging.getLogger(n) for n in ORT_LOGGERS)]
     saved = [(q.handlers, q.propagate) for q in loggers]

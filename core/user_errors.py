@@ -146,9 +146,10 @@ def _index_hint(exc: BaseException) -> str:
     if found is None:
         return ""
     index, size = found.groups()
+    where = "past" if int(index) >= 0 else "outside"
     return (
         f"; or, where the index comes from an integer input (a timestep, a position, an id), the data: it holds "
-        f"{index}, past the {size} rows indexed (keep that input within 0..{int(size) - 1})"
+        f"{index}, {where} the {size} rows indexed (keep that input within 0..{int(size) - 1})"
     )
 
 
