@@ -654,6 +654,19 @@ def batching_hint(engines: str | Path, engine: ServedEngine, protocol: str) -> s
     )
 
 
+def triton_feed(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feed`` as a Triton server takes it: a 0-d input (an engine's scalar) as shape ``[1]``, the ``dims: [ 1 ]``
+    it is declared with (:func:`~kiln.stages.package.triton.scalar_tensors`), which Triton refuses ``[]`` for;
+    every other input as it is. Ray Serve's application takes the engine's own shapes."""
+    return {name: array.reshape(1) if array.ndim == 0 else array for name, array in feed.items()}
+
+
+def as_expected(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """A served answer in the shape of the engine's ``want``, where Triton returns a 0-d output (declared
+    ``dims: [ 1 ]``, :func:`triton_feed`) as ``[1]``; any other answer as it came, its shape checked as it is."""
+    return got.reshape(want.shape) if want.ndim == 0 and got.size == 1 else got
+
+
 def _inputs(module: Any, feed: dict[str, np.ndarray], binary: bool = True) -> list[Any]:
     """tritonclient's input tensors; ``binary`` False: JSON data (the Ray Serve app reads JSON only)."""
     from tritonclient.utils import np_to_triton_dtype
@@ -855,14 +868,15 @@ def run_level(
     outputs = list(expected[0])
     masks = answer_masks(expected, outputs)
     scales = answer_scales(expected, masks)
+    sent = pool if protocol == "ray" else [triton_feed(feed) for feed in pool]
     setup = _client(module, protocol, address)[0] if shared_memory else None
-    regions = SharedMemory(module, setup, pool, expected, concurrency) if setup else None
+    regions = SharedMemory(module, setup, sent, expected, concurrency) if setup else None
     if lean:  # Kiln's client sends the regions' JSON (SharedMemory.input_specs)
         prepared = []
     elif regions:
         prepared = [regions.tritonclient_inputs(k) for k in range(len(pool))]
     else:
-        prepared = [_inputs(module, feed, binary=protocol != "ray") for feed in pool]
+        prepared = [_inputs(module, feed, binary=protocol != "ray") for feed in sent]
     # JSON answers for Ray Serve (tritonclient.http's outputs); Triton's default (binary) otherwise
     requested = (
         {"outputs": [module.InferRequestedOutput(n, binary_data=False) for n in outputs]} if protocol == "ray" else {}
@@ -925,6 +939,7 @@ def run_level(
                         with lock:
                             level.errors.append(f"output {name} unreadable: {exc}"[:300])
                         got = None
+                    got = None if got is None else as_expected(got, want)
                     if got is None or got.shape != want.shape:
                         ok, off = False, float("inf")
                         continue
@@ -1335,7 +1350,8 @@ def inprocess_ms(
     them, as the server runs a shape-specialised engine (:func:`padded_infer`). Its median (``latency_ms``), the
     median's 95 % interval, and whether that is too wide to compare with (``noisy``: a busy machine)."""
     rows = [pool[i % len(pool)] for i in range(batch)]
-    feed = {k: np.concatenate([r[k] for r in rows]) for k in pool[0]}
+    # one request's own arrays at batch 1: an unbatched engine's may be 0-d, which take no joining
+    feed = rows[0] if batch == 1 else {k: np.concatenate([r[k] for r in rows]) for k in pool[0]}
     times: list[float] = []
     padded_infer(runner, feed, buckets)
     end = time.perf_counter() + budget_s

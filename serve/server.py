@@ -77,7 +77,7 @@ from kiln.serve.batching import buckets_for, padded_infer, request_fault, warm_b
 from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine, runnable
 from kiln.stages.package import INDEX as PACKAGE_INDEX
-from kiln.stages.package.triton import served_max_batch, unbatchable_reason, write_python_model
+from kiln.stages.package.triton import scalar_tensors, served_max_batch, unbatchable_reason, write_python_model
 
 log = logging.getLogger("kiln.serve.server")
 INSTALL_HINT = 'pip install "kiln[serve]"'
@@ -90,8 +90,6 @@ STOP_DEADLINE_S = 7.0
 STARTUP_TIMEOUT_S = 120.0
 # AF_UNIX socket paths hold at most 107 bytes on Linux (sun_path is 108 with its NUL)
 MAX_SOCKET_PATH = 107
-# The name Triton's config gives an input axis the engine fixes (:func:`any_fixed_size`): any size, checked by Kiln
-FREE_AXIS = "checked_by_kiln"
 # Where the server's sockets go when the scratch folder's path is too long for them (a deep TMPDIR)
 SHORT_SOCKET_ROOT = Path("/tmp")
 
@@ -766,6 +764,26 @@ def say_unbatched(served: list[ServedEngine]) -> None:
             log.warning("%s: served unbatched (each request runs alone, no dynamic batching): %s", s.model_name, why)
 
 
+def _scalars_as_one(infer_func: Callable[..., Any], meta: EngineMetadata) -> Callable[..., Any]:
+    """``infer_func`` for an engine whose 0-d tensors (:func:`scalar_tensors`) are bound as shape ``(1,)``, as the
+    package's Triton configs declare them (Triton takes no empty dims): each request's such input handed to the
+    engine as its ``[]``, each such output answered as ``[1]``, as Kiln's Python-backend model does. Such an engine
+    is never batched (:func:`served_max_batch`), so each request's arrays are its own."""
+    names = set(scalar_tensors(meta))
+    if not names:
+        return infer_func
+
+    def infer_requests(requests: list[Any]) -> list[dict[str, np.ndarray]]:
+        for request in requests:
+            for name in names.intersection(request.keys()):
+                if request[name].size == 1:
+                    request[name] = request[name].reshape(())
+        answers = infer_func(requests)
+        return [{n: a.reshape(1) if n in names else a for n, a in answer.items()} for answer in answers]
+
+    return infer_requests
+
+
 def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_delay_us: int) -> None:
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
@@ -773,11 +791,13 @@ def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_
     batched = mbs > 0
 
     def tensors(specs: list[dict[str, Any]]) -> list[Any]:
+        """PyTriton's tensors, a 0-d one as shape ``(1,)`` (:func:`_scalars_as_one`)."""
         return [
             Tensor(
                 name=s.name,
                 dtype=np.dtype(s.dtype),
-                shape=tuple(d if isinstance(d, int) and d > 0 else -1 for d in (s.shape[1:] if batched else s.shape)),
+                shape=tuple(d if isinstance(d, int) and d > 0 else -1 for d in (s.shape[1:] if batched else s.shape))
+                or (1,),
             )
             for s in specs
         ]
@@ -793,7 +813,7 @@ def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_
     )
     triton.bind(
         model_name=served.model_name,
-        infer_func=_infer_func(runner, outputs, buckets, served.meta, batched),
+        infer_func=_scalars_as_one(_infer_func(runner, outputs, buckets, served.meta, batched), served.meta),
         inputs=tensors(served.meta.inputs),
         outputs=tensors(served.meta.outputs),
         config=config,
@@ -1672,26 +1692,8 @@ def write_repository(
             hint="serve a CUDA engine folder with --gpus, or serve these without it",
         )
     for s in served:
-        meta = any_fixed_size(s.meta)
-        write_python_model(repository / s.model_name, s.engine_dir, meta, max_batch, gpus, instances, queue_delay_us)
+        write_python_model(repository / s.model_name, s.engine_dir, s.meta, max_batch, gpus, instances, queue_delay_us)
     return [s.model_name for s in served]
-
-
-def any_fixed_size(meta: EngineMetadata) -> EngineMetadata:
-    """``meta`` as Triton is told it: each input's fixed sizes past its first axis declared as any size (dims -1).
-    Triton would refuse a request of the engine's rank with another size there in its own words (``unexpected
-    shape``) before the model sees it; declared free, the request reaches the engine's own check
-    (:meth:`EngineMetadata.refusal`, a shape comparison every request gets anyway), whose refusal names the axis
-    and, where only the order of the axes differs (``[B, 3, N]`` given for ``[B, N, 3]``), the transpose that fixes
-    it, as the engine's own ``infer`` does. The engine folder keeps its own ``kiln-engine.json``: only the config
-    differs."""
-    inputs = [
-        s.model_copy(update={"shape": [s.shape[0], *(FREE_AXIS if isinstance(d, int) else d for d in s.shape[1:])]})
-        if s.shape
-        else s
-        for s in meta.inputs
-    ]
-    return meta.model_copy(update={"inputs": inputs})
 
 
 def serve_python_backend(
