@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -70,18 +71,46 @@ def interleave(
     """Per contender, the ms of its calls in each round: up to ``rounds`` rounds (at least ``min_rounds``) of a
     block of up to ``calls`` calls each, in an order rotated every round, until ``budget_s`` per contender is spent.
     A block starts with one untimed call (the other contenders' blocks cooled its caches and thread pool) and stops
-    early once its share of the budget is spent (one timed call at least)."""
+    early once its share of the budget is spent (one timed call at least). A contender whose calls are too slow for
+    the floor of rounds to fit :data:`OVERRUN` times its budget gets fewer (:func:`rounds_that_fit`, one at least),
+    so the budget bounds the wall time whatever a call costs; how many each ran is the length of its list."""
     names = list(timers)
     out: dict[str, list[list[float]]] = {n: [] for n in names}
+    caps: dict[str, int] = {}
     deadline = time.perf_counter() + budget_s * len(names)
     block_s = budget_s / max(rounds, 1)
     for r in range(max(rounds, min_rounds)):
         if r >= min_rounds and (r >= rounds or time.perf_counter() > deadline):
             break
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            if len(out[name]) >= caps.get(name, r + 1):
+                continue
+            t0 = time.perf_counter()
             timers[name](1, None)
+            t1 = time.perf_counter()
             out[name].append(timers[name](calls, block_s))
+            if r == 0:
+                call_s = min(t1 - t0, (time.perf_counter() - t1) / max(len(out[name][0]), 1))
+                caps[name] = rounds_that_fit(call_s, budget_s, min_rounds)
+        if all(len(out[n]) >= caps[n] for n in names):
+            break
     return out
+
+
+# How far past its budget a contender's floor of rounds may run before its rounds are cut: a second-long call keeps
+# its floor (its spread measured), a call of many seconds (a large model on a CPU) is not run a dozen times
+OVERRUN = 10.0
+
+
+def rounds_that_fit(call_s: float, budget_s: float, min_rounds: int = MIN_ROUNDS) -> int:
+    """The rounds a contender whose call takes ``call_s`` seconds may run: no cap (the floor and the budget decide)
+    where ``min_rounds`` rounds of two calls (the untimed one and one timed) fit :data:`OVERRUN` times
+    ``budget_s``, else as many as fit that, one at least: a call of many seconds is measured once or a few times,
+    not ``2 * min_rounds`` times."""
+    allowed = OVERRUN * budget_s
+    if 2 * call_s * min_rounds <= allowed:
+        return sys.maxsize
+    return max(1, int(allowed // (2 * call_s)))
 
 
 # a median's 95 % interval wider than this share of it: the machine was too busy for the timing to mean much
