@@ -206,7 +206,7 @@ def systematic(ref: np.ndarray, got: np.ndarray, kept: np.ndarray | None = None)
     between samples where a sample's values share their noise). None: a 0-D output, under
     :data:`SYSTEMATIC_MIN_VALUES` values or :data:`SYSTEMATIC_MIN_ROWS` samples, or a value not finite."""
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
-    if r.ndim == 0:
+    if r.ndim == 0 or r.size < SYSTEMATIC_MIN_VALUES:
         return None
     rows = None if kept is None else np.nonzero(kept)[0]  # each kept value's sample, in r[kept]'s order
     r, g = (r.reshape(len(r), -1), g.reshape(len(g), -1)) if kept is None else (r[kept], g[kept])

@@ -72,3 +72,8 @@ def test_noise_a_sample_shares_is_not_called_a_line() -> None:
         sizes.append(systematic(ref, got).size(1.0))  # type: ignore[union-attr]
     assert np.percentile(sizes, 95) < 0.03
     assert systematic(ref[:7], got[:7]) is None  # too few samples to tell a line from their noise
+
+
+def test_an_empty_output_has_no_line() -> None:
+    assert systematic(np.zeros((0, 3)), np.zeros((0, 3))) is None
+    assert compare_arrays(np.zeros((0, 3, 5)), np.zeros((0, 3, 5))).systematic_err is None
