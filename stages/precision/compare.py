@@ -14,6 +14,7 @@ from kiln.core.onnx_io import ort_session
 
 Model = onnx.ModelProto | Path
 Samples = np.ndarray | dict[str, np.ndarray]  # one input's rows, or a feed of named inputs (same rows)
+CHUNK = 256  # intermediate tensors made graph outputs per run (:func:`tensor_errors`): bounds the activations held
 
 
 def n_rows(x: Samples) -> int:
@@ -97,11 +98,17 @@ def rel_error(ref: np.ndarray, got: np.ndarray) -> float:
 
 
 def tensor_errors(
-    ref_model: Model, model: Model, x: Samples, tensors: list[str], names: dict[str, str] | None = None
+    ref_model: Model,
+    model: Model,
+    x: Samples,
+    tensors: list[str],
+    names: dict[str, str] | None = None,
+    chunk: int = CHUNK,
 ) -> dict[str, float]:
     """Relative L2 error of each named intermediate tensor of ``model`` vs ``ref_model`` on ``x``, keyed by its name
     in ``ref_model``. ``names``: each tensor's counterpart in ``model`` (:func:`matching_tensors`), those without
-    one left out; None: the tensor of the same name."""
+    one left out; None: the tensor of the same name. Both graphs run once per ``chunk`` tensors, each chunk reduced
+    to its errors before the next: only one chunk's activations are held at a time, not every tensor's."""
     ref_m, m = (onnx.load(str(p)) if isinstance(p, Path) else p for p in (ref_model, model))
     names = {t: t for t in tensors} if names is None else names
     # a tensor computed from weights alone is a weight: ONNX Runtime folds it into an initializer, which cannot be
@@ -109,6 +116,16 @@ def tensor_errors(
     ours = _produced(ref_m) - _constant(ref_m) - {ref_m.graph.output[0].name}
     theirs = _produced(m) - _constant(m) - {m.graph.output[0].name}
     tensors = [t for t in tensors if t in ours and names.get(t) in theirs]  # e.g. one the cast clean-up merged
+    err: dict[str, float] = {}
+    for i in range(0, max(len(tensors), 1), chunk):
+        err |= _chunk_errors(ref_m, m, x, tensors[i : i + chunk], names)
+    return err
+
+
+def _chunk_errors(
+    ref_m: onnx.ModelProto, m: onnx.ModelProto, x: Samples, tensors: list[str], names: dict[str, str]
+) -> dict[str, float]:
+    """:func:`tensor_errors` of one chunk of ``tensors`` (with the graph output's, which every run computes)."""
     ref = run_batched(ref_m, x, extra_outputs=tensors)
     got = run_batched(m, x, extra_outputs=[names[t] for t in tensors])
     keys = [ref_m.graph.output[0].name, *tensors]

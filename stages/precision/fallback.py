@@ -44,7 +44,8 @@ from kiln.stages.precision.fp16_select import INDEX_OPS
 from kiln.stages.precision.gate import GateCheck, Verdict
 
 log = logging.getLogger("kiln.precision")
-BLAME_SAMPLES = 32  # per-tensor comparison holds every activation in memory: a few samples suffice
+BLAME_SAMPLES = 32  # per-tensor comparison holds a chunk's activations for every sample: a few suffice
+BLAME_CHUNK = 32  # tensors compared per run: an attention layer's scores take ~50 MB a sample set, a chunk of them GBs
 QUANTIZED = ("int8", "fp8")  # precisions whose graphs quantize tensors with Q/DQ pairs
 # Ops that compute nothing in a quantized graph: they move, select or clip the values they get, and ONNX Runtime's
 # quantizer quantizes one only where its input already is, for the compute nodes around it
@@ -500,7 +501,8 @@ def blame(
     float_tensors = _float_tensors(fp32)
     names = matching_tensors(fp32, variant)
     tensors = sorted({o for n in nodes for o in n.output if o in float_tensors and o in names})
-    err = _worst_errors([tensor_errors(fp32, model, s, tensors, names) for s in (x if isinstance(x, list) else [x])])
+    shapes = x if isinstance(x, list) else [x]
+    err = _worst_errors([tensor_errors(fp32, model, s, tensors, names, chunk=BLAME_CHUNK) for s in shapes])
     carried = _carried_errors(fp32, err, float_tensors)
     fused = _fused_into(fp32, variant)
     producers = {o: n for n in fp32.graph.node for o in n.output}
