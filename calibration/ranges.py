@@ -12,7 +12,7 @@ import io
 import logging
 import warnings
 from collections.abc import Collection, Iterator
-from contextlib import contextmanager, redirect_stdout
+from contextlib import contextmanager, nullcontext, redirect_stdout
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -263,7 +263,7 @@ def _run_calibrator(
             extra_options=extra,
             use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
         )
-        tensors = _collect(calibrator, ArrayReader(input_name, batches), method)
+        tensors = _collect(calibrator, [ArrayReader(input_name, [batch]) for batch in batches], method)
         if method == "minmax" and symmetric:
             tensors = _symmetric(tensors)
     STATS["calibrations"] += 1
@@ -271,23 +271,30 @@ def _run_calibrator(
     return tensors
 
 
-def _collect(calibrator: Any, reader: ArrayReader, method: str) -> Any:
-    """Run the calibration data through ``calibrator`` and compute its ranges. Histogram methods see only the
-    tensors that are finite on the data (:class:`_FiniteHistograms`); the others come back with the range of the
-    values seen, not finite, as minmax gives it, so their nodes stay in float (:meth:`Ranges.unbounded`).
-    Entropy: thresholds from :func:`kiln.calibration.entropy.entropy_ranges` (ORT's search, vectorised); a tensor
-    past float32's half range (a mask fill) overflows the width of ORT's histogram, so numpy's bare overflow warning
-    is replaced by one log line naming those tensors, whose ranges are the values seen."""
+def _collect(calibrator: Any, readers: list[ArrayReader], method: str) -> Any:
+    """Run the calibration data through ``calibrator`` one batch a call (``readers``: one batch each) and compute its
+    ranges. ORT keeps every tensor of every batch a ``collect_data`` call reads until the call ends (histogram
+    methods: the tensors themselves, many GB for a transformer), so one batch a call holds one batch's tensors.
+    Histogram methods see only the tensors that are finite on the data (:class:`_FiniteHistograms`); the others
+    come back with the range of the values seen, not finite, as minmax gives it, so their nodes stay in float
+    (:meth:`Ranges.unbounded`). Entropy: thresholds from :func:`kiln.calibration.entropy.entropy_ranges` (ORT's
+    search, vectorised); a tensor past float32's half range (a mask fill) overflows the width of ORT's histogram, so
+    numpy's bare overflow warning is replaced by one log line naming those tensors, whose ranges are the values
+    seen."""
+    if not readers:
+        raise ValueError("No data is collected.")  # as ORT says it
     if method == "minmax":
-        calibrator.collect_data(reader)
-        return calibrator.compute_data()
+        return _minmax(calibrator, readers)
     finite = _FiniteHistograms(calibrator)
     calibrator.collector = finite  # ORT's collect_data builds its own collector only where none is set
+    with np.errstate(over="ignore") if method == "entropy" else nullcontext():
+        for histogramming in (False, True):  # the ranges of all the data, then its histograms over them
+            finite.histogramming = histogramming
+            for reader in readers:
+                reader.rewind()
+                calibrator.collect_data(reader)
     if method != "entropy":
-        calibrator.collect_data(reader)
         return finite.with_unbounded(calibrator.compute_data() if finite.get_histogram_dict() else None)
-    with np.errstate(over="ignore"):
-        calibrator.collect_data(reader)
     histograms = finite.get_histogram_dict()
     wide = beyond_histograms(histograms)
     if wide:
@@ -302,18 +309,38 @@ def _collect(calibrator: Any, reader: ArrayReader, method: str) -> Any:
     return finite.with_unbounded(entropy_ranges(histograms, ENTROPY_BINS["num_quantized_bins"]))
 
 
+def _minmax(calibrator: Any, readers: list[ArrayReader]) -> Any:
+    """ORT's minmax ranges of all the batches, one batch a ``collect_data`` call. Each call's ranges are taken alone
+    and merged here as ``np.nanmin``/``np.nanmax`` over all batches would (``np.fmin``/``np.fmax``: a NaN bound of
+    one batch does not hide the others'); ORT's own merge across calls (Python ``min``) depends on the order."""
+    from onnxruntime.quantization.calibrate import TensorData, TensorsData
+
+    merged: dict[str, tuple[Any, Any]] = {}
+    for reader in readers:
+        calibrator.calibrate_tensors_range = None  # this batch's ranges alone, not ORT's merge with the last ones
+        calibrator.collect_data(reader)
+        for name, td in calibrator.compute_data().data.items():
+            lo, hi = td.range_value
+            if name in merged:
+                lo, hi = np.fmin(merged[name][0], lo), np.fmax(merged[name][1], hi)
+            merged[name] = (lo, hi)
+    data = {name: TensorData(lowest=lo, highest=hi) for name, (lo, hi) in merged.items()}
+    return TensorsData(_ort_method("minmax"), data)
+
+
 class _FiniteHistograms:
-    """ORT's ``HistogramCollector`` for ``calibrator``, fed only the tensors that are finite on the data.
+    """ORT's histograms for ``calibrator`` over the data fed it batch by batch, of the tensors finite on all of it.
 
     ``np.histogram`` refuses a range that is not finite, so one ``-inf`` (a policy's masked logits) or NaN in any
     tensor would stop the whole calibration. ORT's ``HistogramCalibrater.collect_data`` uses ``calibrator.collector``
     where one is set, and calls nothing else on it than ``collect`` and ``compute_collection_result``: this wrapper
-    in that place is the one hook there is, short of reimplementing the collection loop. Its tensors holding a
-    non-finite value are set aside with the range of the values seen (NaN ignored, as minmax's ``np.nanmin``). The
-    others reach ORT as one flat array each: its ``collect_value`` stacks a tensor's batches with ``np.asarray``,
-    which fails on batches of different sizes (the data's own and those of other validated shapes). An empty batch
-    of a tensor is left out (ORT would histogram it as zeros); a tensor empty in every batch gets the empty range,
-    (+inf, -inf), as minmax gives it (:meth:`Ranges.unreached`)."""
+    in that place is the one hook there is, short of reimplementing the collection loop. The data goes through twice:
+    first (``histogramming`` False) each tensor's range and whether it is finite, then its histogram over that range,
+    the batches' counts summed: the histogram ORT's ``HistogramCollector`` makes of all the batches at once (ORT's
+    merge of one call's histogram into the last one's rebins, and would depend on the batch order). Tensors holding a
+    non-finite value are set aside with the range of the values seen (NaN ignored, as minmax's ``np.nanmin``). An
+    empty batch of a tensor is left out (ORT would histogram it as zeros); a tensor empty in every batch gets the
+    empty range, (+inf, -inf), as minmax gives it (:meth:`Ranges.unreached`)."""
 
     def __init__(self, calibrator: Any) -> None:
         from onnxruntime.quantization.calibrate import HistogramCollector
@@ -326,33 +353,64 @@ class _FiniteHistograms:
             percentile=calibrator.percentile,
             scenario=calibrator.scenario,
         )
-        self.aside: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self.reached: set[str] = set()
-        self.empty: dict[str, Any] = {}  # tensor name -> dtype, for the tensors no batch has held a value of yet
+        self.histogramming = False
+        self.bounds: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # NaN-ignoring min and max of the values seen
+        self.unbounded: set[str] = set()  # tensors holding a value that is not finite
+        self.nearest: dict[str, np.ndarray] = {}  # smallest magnitude seen: where a magnitude histogram starts
+        self.empty: dict[str, Any] = {}  # tensor name -> dtype, for the tensors no batch has held a value of
+
+    @property
+    def aside(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The ranges of the tensors holding a non-finite value: no histogram, the range of the values seen."""
+        return {name: self.bounds[name] for name in sorted(self.unbounded)}
 
     def collect(self, name_to_arr: dict[str, Any]) -> None:
-        """Histogram the tensors whose every value is finite (their batches as one flat array: ORT flattens them
-        anyway); record the range of the others."""
-        finite = {}
+        """One batch's tensors: their ranges on the first pass, their histograms on the second."""
         for name, arrays in name_to_arr.items():
             flat = np.concatenate([np.ravel(a) for a in (arrays if isinstance(arrays, list) else [arrays])])
             if flat.size == 0:
-                if name not in self.reached:
+                if name not in self.bounds:
                     self.empty[name] = flat.dtype
-                continue
-            self.reached.add(name)
-            self.empty.pop(name, None)
-            if np.isfinite(flat).all():
-                finite[name] = flat
-                continue
-            with warnings.catch_warnings():  # a tensor NaN everywhere: its range is NaN, said by check_ranges
-                warnings.simplefilter("ignore", RuntimeWarning)
-                lo, hi = np.nanmin(flat), np.nanmax(flat)
-            if name in self.aside:
-                lo, hi = np.fmin(self.aside[name][0], lo), np.fmax(self.aside[name][1], hi)
-            self.aside[name] = (np.asarray(lo, dtype=flat.dtype), np.asarray(hi, dtype=flat.dtype))
-        if finite:
-            self.collector.collect(finite)
+            elif self.histogramming:
+                if name not in self.unbounded:
+                    self._histogram(name, flat)
+            else:
+                self._measure(name, flat)
+
+    def _measure(self, name: str, flat: np.ndarray) -> None:
+        """Merge ``flat``'s range (NaN ignored) into ``name``'s, and note a value that is not finite."""
+        self.empty.pop(name, None)
+        if not np.isfinite(flat).all():
+            self.unbounded.add(name)
+        with warnings.catch_warnings():  # a tensor NaN everywhere: its range is NaN, said by check_ranges
+            warnings.simplefilter("ignore", RuntimeWarning)
+            lo, hi, near = np.nanmin(flat), np.nanmax(flat), np.nanmin(np.absolute(flat))
+        if name in self.bounds:
+            lo, hi = np.fmin(self.bounds[name][0], lo), np.fmax(self.bounds[name][1], hi)
+            near = np.fmin(self.nearest[name], near)
+        self.nearest[name] = np.asarray(near, dtype=flat.dtype)
+        self.bounds[name] = (np.asarray(lo, dtype=flat.dtype), np.asarray(hi, dtype=flat.dtype))
+
+    def _histogram(self, name: str, flat: np.ndarray) -> None:
+        """Add ``flat``'s counts to ``name``'s histogram, in ORT's ``HistogramCollector`` layout and bins: magnitudes
+        over [min |x|, max |x|] for symmetric percentile (``collect_absolute_value``), else values over
+        [-amax, amax] (``collect_value``), ``num_bins`` bins, the range that of all the batches."""
+        lo, hi = (v.astype(flat.dtype)[()] for v in self.bounds[name])
+        absolute = self.collector.method == "percentile" and self.collector.symmetric
+        if absolute:
+            outer = max(abs(lo), abs(hi))
+            counts, edges = np.histogram(
+                np.absolute(flat), self.collector.num_bins, range=(self.nearest[name][()], outer)
+            )
+            entry: tuple[Any, ...] = (counts, edges.astype(flat.dtype), lo, hi)
+        else:
+            threshold = np.array(max(abs(lo), abs(hi)), dtype=flat.dtype)
+            counts, edges = np.histogram(flat, self.collector.num_bins, range=(-threshold, threshold))
+            entry = (counts, edges, lo, hi, threshold)
+        old = self.collector.histogram_dict.get(name)
+        if old is not None:
+            entry = (old[0] + counts, *entry[1:])
+        self.collector.histogram_dict[name] = entry
 
     def get_histogram_dict(self) -> dict[str, tuple[Any, ...]]:
         """The histograms of the finite tensors, as ORT's collector keeps them."""
