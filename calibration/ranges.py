@@ -241,6 +241,30 @@ def _symmetric(tensors: Any) -> Any:
     return TensorsData(tensors.calibration_method, data)
 
 
+# Rows fed to the calibrator in one call: its session holds a call's activations (a transformer's at 32 rows, GBs),
+# and every method's ranges merge exactly across calls (:func:`_minmax`, :class:`_FiniteHistograms`), so smaller
+# calls change no range
+CALIBRATE_ROWS = 8
+
+
+def _pieces(batches: list[Any]) -> list[Any]:
+    """``batches`` cut into pieces of at most :data:`CALIBRATE_ROWS` rows, where every array of a batch has that many
+    rows on its first axis (a batch of inputs of one batch axis); any other batch (inputs of no batch axis, a graph's
+    edges) stays whole."""
+    out: list[Any] = []
+    for batch in batches:
+        arrays = list(batch.values()) if isinstance(batch, dict) else [batch]
+        rows = {len(a) if np.ndim(a) else -1 for a in arrays}
+        n = next(iter(rows)) if len(rows) == 1 else -1
+        if n <= CALIBRATE_ROWS:
+            out.append(batch)
+            continue
+        for i in range(0, n, CALIBRATE_ROWS):
+            cut = slice(i, i + CALIBRATE_ROWS)
+            out.append({k: v[cut] for k, v in batch.items()} if isinstance(batch, dict) else batch[cut])
+    return out
+
+
 def _run_calibrator(
     model_path: Path, batches: list[np.ndarray], input_name: str, method: str, symmetric: bool, percentile: float
 ) -> Any:
@@ -263,7 +287,7 @@ def _run_calibrator(
             extra_options=extra,
             use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
         )
-        tensors = _collect(calibrator, [ArrayReader(input_name, [batch]) for batch in batches], method)
+        tensors = _collect(calibrator, [ArrayReader(input_name, [piece]) for piece in _pieces(batches)], method)
         if method == "minmax" and symmetric:
             tensors = _symmetric(tensors)
     STATS["calibrations"] += 1

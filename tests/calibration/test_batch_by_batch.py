@@ -63,3 +63,26 @@ def test_the_calibrator_is_fed_one_batch_a_call(tmp_path: Path, monkeypatch: pyt
         monkeypatch.setattr(cls, "collect_data", counted)
     calibrate(saved(tmp_path), spread(), "input", method, cache_dir=None)
     assert rows and all(r == [8] for r in rows)
+
+
+@pytest.mark.parametrize(("method", "symmetric"), CASES)
+def test_a_large_batch_is_fed_in_pieces_with_the_same_ranges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, symmetric: bool
+) -> None:
+    """Batches of 20 rows reach the calibrator as pieces of at most CALIBRATE_ROWS (its session holds one call's
+    activations), with the ranges of all the rows in one call."""
+    rows: list[int] = []
+    for cls in (MinMaxCalibrater, HistogramCalibrater):
+        original = cls.collect_data
+
+        def counted(self: Any, reader: ArrayReader, original: Any = original) -> None:
+            rows.extend(len(b) for b in reader.batches)
+            original(self, reader)
+
+        monkeypatch.setattr(cls, "collect_data", counted)
+    model, data = saved(tmp_path), [b * (i + 1) for i, b in enumerate(batches(n=2, size=20, seed=5))]
+    got = calibrate(model, data, "input", method, cache_dir=None, symmetric=symmetric).tensors.data
+    assert rows and max(rows) == 8 and sum(rows) % 40 == 0  # 8 + 8 + 4 per batch, every pass
+    want = all_at_once(model, data, method, symmetric, tmp_path)
+    for name, td in want.items():
+        np.testing.assert_allclose(np.asarray(got[name].range_value, dtype=np.float64), td.range_value, rtol=1e-6)
