@@ -19,8 +19,8 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, closing, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,30 @@ def evaluate_loss_acc(
     return sums[1] / max(1.0, sums[2]), (None if correct is None else sums[0] / max(1.0, sums[3]))
 
 
+def _finite_rows(
+    model: nn.Module, x: Inputs, device: torch.device, env: DistEnv, batch: int, forward: Callable[..., Any] | None
+) -> Iterator[torch.Tensor]:
+    """Per batch of this process's share of ``x`` (as :func:`evaluate_loss_acc` takes it), whether ``model`` (run by
+    ``forward``, in eval mode) answers each row with finite values in every float output; an output not laid out by
+    row (of another length) counts for the whole batch. The model's mode is restored when the iteration ends."""
+    was_training = model.training
+    model.eval()
+    x = take(x, slice(env.rank, None, env.world_size))
+    try:
+        with torch.no_grad():
+            for i in range(0, rows(x), batch):
+                xb = take(x, slice(i, i + batch))
+                out = flatten_outputs(call(forward or model, rebuild(xb, [t.to(device) for t in tensors(xb)])))
+                n = rows(xb)
+                finite = torch.ones(n, dtype=torch.bool, device=device)
+                for t in (t for t in out.values() if t.is_floating_point()):
+                    by_row = t.dim() > 0 and len(t) == n
+                    finite &= torch.isfinite(t.reshape(n, -1)).all(dim=1) if by_row else bool(torch.isfinite(t).all())
+                yield finite
+    finally:
+        model.train(was_training)
+
+
 def outputs_finite(
     model: nn.Module,
     x: Inputs,
@@ -140,19 +164,10 @@ def outputs_finite(
     batch: int = 256,
     forward: Callable[..., Any] | None = None,
 ) -> bool:
-    """Whether ``model`` (run by ``forward``) answers this process's share of the held-out inputs ``x`` (as
-    :func:`evaluate_loss_acc` takes it) with finite outputs only: tells a NaN of the model from one of the loss."""
-    was_training = model.training
-    model.eval()
-    x = take(x, slice(env.rank, None, env.world_size))
-    finite = True
-    with torch.no_grad():
-        for i in range(0, rows(x), batch):
-            xb = take(x, slice(i, i + batch))
-            out = flatten_outputs(call(forward or model, rebuild(xb, [t.to(device) for t in tensors(xb)])))
-            finite = finite and all(bool(torch.isfinite(t).all()) for t in out.values() if t.is_floating_point())
-    model.train(was_training)
-    return finite
+    """Whether ``model`` (run by ``forward``) answers this process's share of the held-out inputs ``x`` with finite
+    outputs only (:func:`_finite_rows`; no collective): tells a NaN of the model from one of the loss."""
+    with closing(_finite_rows(model, x, device, env, batch, forward)) as batches:
+        return all(bool(finite.all()) for finite in batches)
 
 
 def nonfinite_rows(
@@ -164,23 +179,12 @@ def nonfinite_rows(
     forward: Callable[..., Any] | None = None,
 ) -> tuple[int, int]:
     """How many held-out rows of ``x`` ``model`` (run by ``forward``, in eval mode) answers with NaN or infinity in
-    some float output, and of how many rows, over all processes (one all-reduce). Tells weights that give no finite
-    answer at all (a blown-up update) from a forward that makes NaN on a few rows (a fully masked one)."""
-    was_training = model.training
-    model.eval()
-    x = take(x, slice(env.rank, None, env.world_size))
-    bad, total = 0, rows(x)
-    with torch.no_grad():
-        for i in range(0, total, batch):
-            xb = take(x, slice(i, i + batch))
-            out = flatten_outputs(call(forward or model, rebuild(xb, [t.to(device) for t in tensors(xb)])))
-            n = rows(xb)
-            finite = torch.ones(n, dtype=torch.bool, device=device)
-            for t in (t for t in out.values() if t.is_floating_point()):
-                by_row = t.dim() > 0 and len(t) == n  # an output of another shape is the whole batch's
-                finite &= torch.isfinite(t.reshape(n, -1)).all(dim=1) if by_row else bool(torch.isfinite(t).all())
-            bad += n - int(finite.sum())
-    model.train(was_training)
+    some float output (:func:`_finite_rows`), and of how many rows, over all processes (one all-reduce). Tells weights
+    that give no finite answer at all (a blown-up update) from a forward that makes NaN on a few rows (a fully masked
+    one)."""
+    bad = total = 0
+    for finite in _finite_rows(model, x, device, env, batch, forward):
+        bad, total = bad + len(finite) - int(finite.sum()), total + len(finite)
     bad_all, total_all = all_sum([float(bad), float(total)], device, env)
     return int(bad_all), int(total_all)
 
